@@ -1,0 +1,43 @@
+# kvgate — the commands README.md's two set-up lines call.
+#   make demo   install everything, then run the one-command demo (embedded broker, CPU executor)
+#   make test   install everything, then run lint and the whole CPU test suite
+# Everything lands in .venv at the repo root; caches for Kafka jars and images live under
+# $(KVGATE_CACHE) (default ~/.cache/kvgate) so a second run on the same machine is fast.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test pytest lint bench images clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check uv==0.13.8
+	$(UV) pip install -q --python $(PY) -e '.[executor,dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/kvgate demo
+
+lint: setup
+	$(VENV)/bin/ruff check kvgate tests benchmarks
+	$(VENV)/bin/ruff format --check kvgate tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+pytest: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint pytest
+
+bench: setup
+	$(PY) benchmarks/bench_livelock.py
+	$(PY) benchmarks/bench_scheduler.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Admission service: consumes requests, schedules steps on executors, produces results."""

@@ -1,0 +1,92 @@
+"""Scheduler and cache settings: typed, validated, with the names the workload files use."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Policy(StrEnum):
+    """Admission order. ``priority``: (priority, arrival); ``fcfs``: arrival only."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+class Mode(StrEnum):
+    """``refill``: a step holds prefill rows or decode rows; ``mixed``: both in one forward."""
+
+    REFILL = "refill"
+    MIXED = "mixed"
+
+
+class PreemptionMode(StrEnum):
+    """How a preempted request keeps its work. ``off`` never preempts."""
+
+    OFF = "off"
+    SNAPSHOT = "snapshot"
+    RECOMPUTE = "recompute"
+    AUTO = "auto"
+
+
+class RestoreMode(StrEnum):
+    """How one preempted request will come back (the choice ``auto`` makes per victim)."""
+
+    SNAPSHOT = "snapshot"
+    RECOMPUTE = "recompute"
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CacheConfig(_Settings):
+    """The KV geometry the scheduler accounts for (reported by the executor it plans for)."""
+
+    num_blocks: Annotated[int, Field(ge=1)]
+    block_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    host_snapshot_blocks: Annotated[int, Field(ge=0)] = 0
+    enable_prefix_caching: bool = True
+
+
+class ModelShape(_Settings):
+    """What the scheduler must know about the model: loop depth and the end-of-sequence id."""
+
+    num_loops: Annotated[int, Field(ge=1, le=64)] = 1
+    eos_token_id: Annotated[int, Field(ge=0)] | None = None
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+
+
+class SchedulerConfig(_Settings):
+    """Every scheduler setting, by the name workload files and the ExecutorPool CRD use."""
+
+    max_num_seqs: Annotated[int, Field(ge=1, le=65536)] = 64
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] = 512
+    prefill_chunk_size: Annotated[int, Field(ge=1)] = 256
+    max_admission_bypasses: Annotated[int, Field(ge=0)] = 8
+    admission_scan_limit: Annotated[int, Field(ge=1)] = 64
+    policy: Policy = Policy.PRIORITY
+    mode: Mode = Mode.MIXED
+    wavefront_prefill: bool = False
+    incremental_allocation: bool = True
+    preemption: PreemptionMode = PreemptionMode.AUTO
+    async_scheduling: bool = False
+    watermark_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.01
+    min_residency_steps: Annotated[int, Field(ge=0)] = 4
+    stall_steps: Annotated[int, Field(ge=1)] = 256
+    max_prefill_steps_before_decode: Annotated[int, Field(ge=1)] = 1
+    # auto restore-mode cost model: seconds to move one block to host and back, and seconds of
+    # compute per token per loop pass when recomputing. Executors report measured figures.
+    snapshot_block_cost_s: Annotated[float, Field(gt=0.0)] = 2e-5
+    recompute_token_pass_cost_s: Annotated[float, Field(gt=0.0)] = 5e-5
+
+    @model_validator(mode="after")
+    def _chunk_fits_budget(self) -> SchedulerConfig:
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prefill_chunk_size ({self.prefill_chunk_size}) exceeds "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+        return self

@@ -1,0 +1,1 @@
+"""Deterministic simulated executor, workload files and the ``kvgate sim`` command."""

@@ -1,0 +1,1 @@
+"""GPU executor: model weights, paged KV tensors and the step server."""

@@ -1,0 +1,330 @@
+"""The step protocol between the admission service and a GPU executor.
+
+This module imports only pydantic: the admission service imports it without pulling in torch.
+
+One WebSocket session carries, in order:
+
+```
+admission service                         executor
+  SessionOpen(epoch) ───────────────────▶  drops every request of older epochs
+                     ◀─────────────────── SessionAccepted(ExecutorInfo) | ProtocolError
+  StepPlan(step 1)   ───────────────────▶
+  StepPlan(step 2)   ───────────────────▶  (async scheduling: one more plan may be in flight)
+                     ◀─────────────────── StepResult(step 1)
+                     ◀─────────────────── StepResult(step 2)
+```
+
+A plan carries a request's prompt and sampling parameters once (``new_requests``) and afterwards
+only deltas: rows, appended block ids, and swap/free actions. The executor never decides who
+runs; it follows the block tables it is sent. It validates a whole plan before touching any state,
+so a bad plan is answered with a ``StepResult`` whose ``error`` names the problem and nothing else
+changes.
+
+Positions and depths
+--------------------
+A request's token sequence is ``prompt + outputs``. Position ``p`` is the index in that sequence.
+Depths are 1-based loop passes through the shared core, ``1 ≤ d ≤ num_loops``; a plain model has
+``num_loops == 1``. Prompt positions always run every depth. The output fed at position
+``len(prompt) + i`` ran the depths ``1..exit_depths[i + 1]`` (``exit_depths[i]`` is the depth of the
+pass that *produced* output ``i``; ``exit_depths[0] == num_loops`` because the first output comes
+from the prompt's full-depth pass).
+
+The **fill** of a request is the prefix of positions whose K/V must be computed before it can
+decode: the prompt for a fresh request, ``prompt + outputs[:-1]`` for a recompute restore::
+
+    fresh:      [ prompt ...................... ) -> samples output 0 from the last position
+    recompute:  [ prompt ........ | outputs[:-1] ) -> next decode feeds outputs[-1]
+
+Executed order inside a step: ``free`` → ``swap_out`` → ``new_requests`` → ``swap_in`` →
+``block_appends`` → prefill rows and decode rows (one forward).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = 1
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SamplingParams(_Frozen):
+    """How the next token is drawn. ``temperature == 0`` is greedy.
+
+    Draws use a generator keyed by ``(seed, request_id, position)``, so a token never depends on
+    batch composition, preemption or the restore mode.
+    """
+
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    max_tokens: PositiveInt = 16
+    ignore_eos: bool = False
+
+
+class LoopParams(_Frozen):
+    """Loop bounds of a looped (recurrent-depth) model; a plain model ignores them.
+
+    ``exit_trace`` replays given exit depths (one per output, ``exit_trace[0]`` the full depth):
+    the ``trace`` exit policy used by tests and by recompute on a different executor.
+    """
+
+    min_loops: PositiveInt = 1
+    max_loops: PositiveInt | None = None
+    exit_threshold: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    exit_trace: list[PositiveInt] | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LoopParams:
+        if self.max_loops is not None and self.max_loops < self.min_loops:
+            raise ValueError(f"max_loops ({self.max_loops}) < min_loops ({self.min_loops})")
+        return self
+
+
+class NewRequest(_Frozen):
+    """Everything an executor needs about a request, sent once per (executor, admission).
+
+    For a recompute restore ``output_token_ids``/``exit_depths`` hold what was generated before
+    the preemption; the fill replays them at their recorded depths and does not sample again.
+    """
+
+    request_id: str
+    prompt_token_ids: list[NonNegativeInt]
+    output_token_ids: list[NonNegativeInt] = Field(default_factory=list)
+    exit_depths: list[PositiveInt] = Field(default_factory=list)
+    sampling: SamplingParams = SamplingParams()
+    loops: LoopParams = LoopParams()
+    traceparent: str | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> NewRequest:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if len(self.exit_depths) != len(self.output_token_ids):
+            raise ValueError(
+                f"exit_depths has {len(self.exit_depths)} entries for "
+                f"{len(self.output_token_ids)} output tokens"
+            )
+        return self
+
+
+class BlockAppend(_Frozen):
+    """New pages at the end of a request's block tables: ``new_block_ids[plane][i]``.
+
+    Every plane (one per depth) grows by the same number of pages.
+    """
+
+    request_id: str
+    new_block_ids: list[list[NonNegativeInt]]
+
+
+class SwapIn(_Frozen):
+    """Restore a request's host snapshot into fresh blocks (``block_ids[plane][page]``)."""
+
+    request_id: str
+    block_ids: list[list[NonNegativeInt]]
+
+
+class PrefillRow(_Frozen):
+    """Fill positions ``[token_start, token_end)`` at depths ``depth_first..depth_last``.
+
+    ```
+    depth_last  ▲  . . . . . . . .
+                │  row covers this rectangle; a position whose required depth is lower than
+    depth_first │  a pass skips it (its K/V at deeper planes is a copy of its exit plane)
+                └──────────────────▶ positions [token_start, token_end)
+    ```
+
+    Non-wavefront prefill sends ``depth_first=1, depth_last=num_loops``; wavefront sends one depth
+    per row. ``completes_fill`` marks the last row of the fill: for a fresh request the executor
+    then samples output 0 from the last position; for a recompute it sets the decode cursor to
+    feed the last known output.
+    """
+
+    request_id: str
+    token_start: NonNegativeInt
+    token_end: PositiveInt
+    depth_first: PositiveInt
+    depth_last: PositiveInt
+    completes_fill: bool = False
+
+    @model_validator(mode="after")
+    def _ranges(self) -> PrefillRow:
+        if self.token_end <= self.token_start:
+            raise ValueError(f"empty token range [{self.token_start}, {self.token_end})")
+        if self.depth_last < self.depth_first:
+            raise ValueError(f"depth_last {self.depth_last} < depth_first {self.depth_first}")
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+class DecodeRows(_Frozen):
+    """One core pass per listed request at its decode cursor (columnar for speed).
+
+    ``positions[i]``/``depths[i]`` are what the scheduler expects the cursor to be, or ``None``
+    when the outcome of the step still in flight decides it (async scheduling): then the executor
+    feeds its own sampled token (position + 1, depth 1) or continues the same token one depth
+    deeper. The executor checks the expectation when one is given.
+    """
+
+    request_ids: list[str] = Field(default_factory=list)
+    positions: list[NonNegativeInt | None] = Field(default_factory=list)
+    depths: list[PositiveInt | None] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _columns(self) -> DecodeRows:
+        n = len(self.request_ids)
+        if len(self.positions) != n or len(self.depths) != n:
+            raise ValueError("decode columns have different lengths")
+        return self
+
+
+class StepPlan(_Frozen):
+    """One executor step: actions, then one forward over every row."""
+
+    type: Literal["plan"] = "plan"
+    step_id: PositiveInt
+    free: list[str] = Field(default_factory=list)
+    swap_out: list[str] = Field(default_factory=list)
+    new_requests: list[NewRequest] = Field(default_factory=list)
+    swap_in: list[SwapIn] = Field(default_factory=list)
+    block_appends: list[BlockAppend] = Field(default_factory=list)
+    prefill_rows: list[PrefillRow] = Field(default_factory=list)
+    decode: DecodeRows = DecodeRows()
+    traceparent: str | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prefill_rows) + len(self.decode.request_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.free
+            or self.swap_out
+            or self.new_requests
+            or self.swap_in
+            or self.block_appends
+            or self.num_rows
+        )
+
+
+class SampledToken(_Frozen):
+    """A token that finished its passes: sampled from the pass at ``exit_depth``."""
+
+    request_id: str
+    position: NonNegativeInt
+    token_id: NonNegativeInt
+    exit_depth: PositiveInt
+
+
+class DecodeOutcomes(_Frozen):
+    """What each decode row did (columnar, in plan order, skipped rows left out)."""
+
+    request_ids: list[str] = Field(default_factory=list)
+    positions: list[NonNegativeInt] = Field(default_factory=list)
+    depths: list[PositiveInt] = Field(default_factory=list)
+    exited: list[bool] = Field(default_factory=list)
+
+
+class StepTimings(_Frozen):
+    execute_s: Annotated[float, Field(ge=0.0)] = 0.0
+    kernel_s: Annotated[float, Field(ge=0.0)] | None = None
+
+
+class ExecutorCounters(_Frozen):
+    """What the executor holds after the step (leak checks read these)."""
+
+    num_requests: NonNegativeInt = 0
+    num_snapshots: NonNegativeInt = 0
+    host_blocks_used: NonNegativeInt = 0
+
+
+class ErrorCode(StrEnum):
+    BAD_PLAN = "bad_plan"
+    UNKNOWN_REQUEST = "unknown_request"
+    BLOCK_OUT_OF_RANGE = "block_out_of_range"
+    MISSING_SNAPSHOT = "missing_snapshot"
+    HOST_BUDGET_EXCEEDED = "host_budget_exceeded"
+    STALE_EPOCH = "stale_epoch"
+    UNAUTHORIZED = "unauthorized"
+    PROTOCOL = "protocol"
+    INTERNAL = "internal"
+
+
+class StepError(_Frozen):
+    code: ErrorCode
+    message: str
+    request_id: str | None = None
+
+
+class StepResult(_Frozen):
+    """The outcome of one plan; ``error`` set means the plan was rejected and nothing changed."""
+
+    type: Literal["result"] = "result"
+    step_id: PositiveInt
+    tokens: list[SampledToken] = Field(default_factory=list)
+    decode: DecodeOutcomes = DecodeOutcomes()
+    skipped_request_ids: list[str] = Field(default_factory=list)
+    timings: StepTimings = StepTimings()
+    counters: ExecutorCounters = ExecutorCounters()
+    error: StepError | None = None
+
+
+class ExecutorInfo(_Frozen):
+    """What an executor tells a new session: its cache geometry and cost figures."""
+
+    executor_id: str
+    model_family: str
+    num_loops: PositiveInt
+    block_size: PositiveInt
+    num_blocks: PositiveInt
+    host_snapshot_blocks: NonNegativeInt
+    vocab_size: PositiveInt
+    eos_token_id: NonNegativeInt | None
+    max_model_len: PositiveInt
+    kv_bytes_per_block: NonNegativeInt
+    has_tokenizer: bool = False
+    host_bandwidth_bytes_per_s: Annotated[float, Field(gt=0.0)] | None = None
+    prefill_token_pass_s: Annotated[float, Field(gt=0.0)] | None = None
+
+
+class SessionOpen(_Frozen):
+    """First message of a session. A newer epoch fences every older session out."""
+
+    type: Literal["open"] = "open"
+    protocol_version: int = PROTOCOL_VERSION
+    epoch: NonNegativeInt
+    session_id: str
+
+
+class SessionAccepted(_Frozen):
+    type: Literal["accepted"] = "accepted"
+    epoch: NonNegativeInt
+    info: ExecutorInfo
+
+
+class ProtocolError(_Frozen):
+    """Sent before the executor closes a session (bad auth, stale epoch, unparseable message)."""
+
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+ClientMessage = Annotated[SessionOpen | StepPlan, Field(discriminator="type")]
+ServerMessage = Annotated[
+    SessionAccepted | StepResult | ProtocolError, Field(discriminator="type")
+]

@@ -1,0 +1,1 @@
+"""kopf operator for the ExecutorPool resource."""

@@ -1,0 +1,1 @@
+"""Telemetry: OpenTelemetry attribute names and SDK setup for entry points."""
