@@ -16,6 +16,7 @@ from typing import Protocol, cast
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvgate.admission_service.sim.cli", "run a workload file on the simulated executor"),
+    "operator": ("kvgate.operator.cli", "run the ExecutorPool operator (kopf)"),
 }
 
 
