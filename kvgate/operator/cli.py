@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 
 import kopf
@@ -46,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Registers the handlers with kopf's default registry.
-    import kvgate.operator.handlers  # noqa: F401
+    # Importing the handlers registers them with kopf's default registry.
+    importlib.import_module("kvgate.operator.handlers")
 
     kopf.configure(debug=args.verbose, verbose=args.verbose)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

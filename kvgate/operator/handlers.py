@@ -5,12 +5,16 @@ kopf flow control.
                                                            ├─▶ waiting:  TemporaryError(delay)
                                                            ├─▶ invalid:  Event + PermanentError
                                                            └─▶ API failed: TemporaryError(backoff)
-    a pool's pod changed (created, ready, failed, deleted) ──▶ pass (fast path, same logic)
+    a pool's generation is not yet observed      ──▶ pass (fast path)
+    a pool's pod changed (created, ready, failed, deleted) ──▶ pass (fast path)
 
-The pool handler keeps retrying until the pool has converged, so drains (which no watch event
-reports) are polled while any is in progress. No daemon or timer: those need a finalizer on
-every pool, and nothing outside Kubernetes needs cleaning — the garbage collector removes the
-children through their owner references.
+The change handler keeps retrying until the pool has converged, so drains (which no watch event
+reports) are polled while any is in progress. While it waits out a retry delay, kopf holds new
+changes of the same pool back; the fast paths act on them at once (a pass always reads the
+latest spec), so a spec change never waits for an earlier change's retry.
+
+No daemon or timer: those need a finalizer on every pool, and nothing outside Kubernetes needs
+cleaning — the garbage collector removes the children through their owner references.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | No
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 async def reconcile(
-    namespace: str | None, name: str, body: kopf.Body, retry: int, memo: Any, **_: Any
+    *, namespace: str | None, name: str, body: kopf.Body, retry: int, memo: Any, **_: Any
 ) -> None:
     assert namespace is not None  # ExecutorPool is a namespaced resource
     runtime = Runtime.of(memo)
@@ -74,9 +78,30 @@ async def reconcile(
             return
 
 
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def pool_changed(
+    *,
+    type: str | None,
+    namespace: str | None,
+    name: str,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    memo: Any,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    assert namespace is not None  # ExecutorPool is a namespaced resource
+    if type == "DELETED" or meta.get("generation") == status.get("observedGeneration"):
+        return  # nothing new in the spec (this also ignores the passes' own status writes)
+    try:
+        await Runtime.of(memo).passes.run(namespace, name)
+    except _RETRYABLE as error:
+        logger.warning(f"pass after a spec change failed; the change handler retries: {error}")
+
+
 @kopf.on.event("v1", "pods", labels={LABEL_POOL: kopf.PRESENT})
 async def pool_pod_changed(
-    namespace: str | None, labels: kopf.Labels, memo: Any, logger: kopf.Logger, **_: Any
+    *, namespace: str | None, labels: kopf.Labels, memo: Any, logger: kopf.Logger, **_: Any
 ) -> None:
     assert namespace is not None  # pods are namespaced
     runtime = Runtime.of(memo)

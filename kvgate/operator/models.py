@@ -88,9 +88,9 @@ KAFKA_TOPIC_PATTERN: Final = r"^[a-zA-Z0-9._-]+$"
 _QUANTITY = re.compile(QUANTITY_PATTERN)
 
 ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)]
-TopicName = Annotated[str, Field(min_length=1, max_length=249, pattern=KAFKA_TOPIC_PATTERN)]
+TopicName = Annotated[str, Field(max_length=249, pattern=KAFKA_TOPIC_PATTERN)]
 SecretKey = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")]
-AbsolutePath = Annotated[str, Field(min_length=1, pattern=r"^/")]
+AbsolutePath = Annotated[str, Field(pattern=r"^/")]
 
 
 class InvalidSpecError(ValueError):
@@ -142,7 +142,7 @@ class ModelVolume(_Spec):
 
     persistent_volume_claim: PersistentVolumeClaimSource | None = None
     host_path: HostPathSource | None = None
-    sub_path: Annotated[str, Field(pattern=r"^[^/].*$|^$")] = ""
+    sub_path: Annotated[str, Field(pattern=r"^$|^[^/]")] = ""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelVolume:
@@ -285,7 +285,7 @@ class KafkaSecurity(_Spec):
 
 
 class KafkaSpec(_Spec):
-    bootstrap_servers: Annotated[str, Field(min_length=1, pattern=r"^[^\s,]+(,[^\s,]+)*$")]
+    bootstrap_servers: Annotated[str, Field(pattern=r"^[^\s,]+(,[^\s,]+)*$")]
     topics: KafkaTopics = KafkaTopics()
     group_id: Annotated[str, Field(min_length=1, max_length=255)] | None = None
     security: KafkaSecurity = KafkaSecurity()

@@ -43,6 +43,11 @@ COMPONENT_ADMISSION: Final = "admission"
 ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
 # On the admission pod template: a ConfigMap change rolls the admission pod.
 ANNOTATION_CONFIG_HASH: Final = f"{GROUP}/config-hash"
+# On an executor Pod: the model it was started for. The executor reads family and depth from the
+# checkpoint itself (its command line has no flag for them); these make them visible on the pod,
+# and a change of either is a change of the pod template, so executors are replaced.
+ANNOTATION_MODEL_FAMILY: Final = f"{GROUP}/model-family"
+ANNOTATION_MODEL_LOOPS: Final = f"{GROUP}/model-loops"
 # On an executor Pod: when its drain started (RFC 3339). Set before the drain call, so an
 # operator restart resumes the drain and measures its timeout from the original start.
 ANNOTATION_DRAINING_SINCE: Final = f"{GROUP}/draining-since"

@@ -95,7 +95,7 @@ class Plan:
     membership: tuple[ExecutorSpec, ...] | None  # None: leave the membership as it is
     deletions: tuple[Deletion, ...]
     creations: tuple[int, ...]  # slots
-    converged: bool
+    converged: bool  # once this plan is carried out, the pool is what its spec asks for
     draining: bool  # an executor is (still) draining: look again soon
     phase: Phase
     executors: tuple[ExecutorEntry, ...]

@@ -55,8 +55,7 @@ class Kubelet:
         return [
             pod
             for pod in self.api.live("v1/pods", NAMESPACE)
-            if "phase" not in (pod.get("status") or {})
-            and pod["metadata"]["name"] not in self.held
+            if "phase" not in (pod.get("status") or {}) and pod["metadata"]["name"] not in self.held
         ]
 
     async def set_status(self, name: str, *, phase: str, ready: bool, ip: str | None) -> None:
@@ -150,6 +149,6 @@ class Cluster:
     def ready(self, name: str = "pool") -> bool:
         return self.condition("Ready", name).get("status") == "True"
 
-    async def wait_for(self, predicate: Callable[[], object], timeout: float = 15.0) -> None:
+    async def wait_for(self, predicate: Callable[[], object], within_s: float = 15.0) -> None:
         """Until ``predicate()`` holds; re-checked after every API write or admin call."""
-        await until(self.api.changed, predicate, timeout=timeout)
+        await until(self.api.changed, predicate, within_s=within_s)

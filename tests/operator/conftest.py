@@ -13,12 +13,14 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from kvgate.operator.rbac import allows
 from tests.operator.cluster import Cluster, Kubelet
 from tests.operator.fake_admin import FakeAdminApi
-from tests.operator.kube_emulator import Call, KubeEmulator
+from tests.operator.kube_emulator import KubeEmulator
+from tests.operator.rbac_check import unauthorised_calls
 
-CRD_PATH = Path(__file__).parents[2] / "charts" / "kvgate" / "crds" / "executorpools.kvgate.dev.yaml"
+CRD_PATH = (
+    Path(__file__).parents[2] / "charts" / "kvgate" / "crds" / "executorpools.kvgate.dev.yaml"
+)
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +55,11 @@ async def cluster(
                     "contexts": [
                         {
                             "name": "test",
-                            "context": {"cluster": "test", "user": "operator", "namespace": "default"},
+                            "context": {
+                                "cluster": "test",
+                                "user": "operator",
+                                "namespace": "default",
+                            },
                         }
                     ],
                     "current-context": "test",
@@ -73,24 +79,6 @@ async def cluster(
         finally:
             await kubelet.stop()
             await admin.stop()
-
-
-def _verb(call: Call) -> str:
-    if call.method == "GET":
-        return "watch" if call.watch else ("get" if call.name else "list")
-    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[call.method]
-
-
-def unauthorised_calls(journal: list[Call]) -> list[str]:
-    """Requests by the operator (not the test) that REQUIRED_RULES would not allow."""
-    denied = []
-    for call in journal:
-        if call.user_agent.startswith("kmock/") or not call.plural:
-            continue  # the test's own requests; discovery (non-resource URLs)
-        resource = call.plural + (f"/{call.subresource}" if call.subresource else "")
-        if not allows(call.group, resource, _verb(call)):
-            denied.append(f"{_verb(call)} {call.group or 'core'}/{resource}")
-    return sorted(set(denied))
 
 
 @pytest.fixture

@@ -64,6 +64,7 @@ class Call:
     watch: bool
     user_agent: str
     status: int
+    at: float = 0.0  # loop time
 
 
 def _now() -> str:
@@ -150,7 +151,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def _record(self, request: rendering.Request, status: int) -> None:
         resource = request.resource
         name = request.name
-        if name is None and request.action == kmock.action.CREATE and isinstance(request.data, dict):
+        if (
+            name is None
+            and request.action == kmock.action.CREATE
+            and isinstance(request.data, dict)
+        ):
             name = request.data.get("metadata", {}).get("name")  # created objects: from the body
         self.journal.append(
             Call(
@@ -164,6 +169,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 watch=request.params.get("watch") == "true",
                 user_agent=request.headers.get("User-Agent", ""),
                 status=status,
+                at=asyncio.get_running_loop().time(),
             )
         )
 
@@ -232,11 +238,17 @@ class KubeEmulator(kmock.KubernetesEmulator):
             try:
                 patched = jsonpatch.apply_patch(stored, request.data)
             except jsonpatch.JsonPatchTestFailed as error:
-                raise kmock.KubernetesError(422, "Invalid", f"the test operation failed: {error}")
-            request.data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": version})
+                raise kmock.KubernetesError(
+                    422, "Invalid", f"the test operation failed: {error}"
+                ) from error
+            request.data.append(
+                {"op": "replace", "path": "/metadata/resourceVersion", "value": version}
+            )
             if patched.get("spec") != stored.get("spec"):
                 generation = stored["metadata"].get("generation", 0) + 1
-                request.data.append({"op": "add", "path": "/metadata/generation", "value": generation})
+                request.data.append(
+                    {"op": "add", "path": "/metadata/generation", "value": generation}
+                )
             return
         patch = request.data
         assert request.resource is not None
@@ -298,19 +310,19 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     # --- waiting ----------------------------------------------------------------------------
 
-    async def wait_for(self, predicate: Callable[[], object], *, timeout: float = 10.0) -> None:
+    async def wait_for(self, predicate: Callable[[], object], *, within_s: float = 10.0) -> None:
         """Until ``predicate()`` is true, re-checked after every write; fails on timeout."""
-        await until(self.changed, predicate, timeout=timeout)
+        await until(self.changed, predicate, within_s=within_s)
 
 
 async def until(
-    condition: asyncio.Condition, predicate: Callable[[], object], *, timeout: float
+    condition: asyncio.Condition, predicate: Callable[[], object], *, within_s: float
 ) -> None:
     async def wait() -> None:
         async with condition:
             await condition.wait_for(lambda: bool(predicate()))
 
     try:
-        await asyncio.wait_for(wait(), timeout)
+        await asyncio.wait_for(wait(), within_s)
     except TimeoutError:
-        raise AssertionError(f"not reached within {timeout}s: {predicate!r}") from None
+        raise AssertionError(f"not reached within {within_s}s: {predicate!r}") from None

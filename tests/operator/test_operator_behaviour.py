@@ -59,7 +59,7 @@ def deleted_at(cluster: Cluster, name: str) -> int:
 
 async def ready_pool(cluster: Cluster, **spec: Any) -> None:
     await cluster.create(pool_manifest(**spec))
-    await cluster.wait_for(lambda: cluster.ready())
+    await cluster.wait_for(cluster.ready)
 
 
 async def test_create_builds_children_and_reports_ready(
@@ -144,7 +144,7 @@ async def test_deleted_pod_is_replaced(cluster: Cluster, operator: KopfRunner) -
     await cluster.wait_for(replaced)
     new_endpoint = f"ws://{cluster.pods()['pool-1']['status']['podIP']}:8000/v1/steps"
     await cluster.wait_for(lambda: endpoints(cluster).get("pool-1") == new_endpoint)
-    await cluster.wait_for(lambda: cluster.ready())
+    await cluster.wait_for(cluster.ready)
     assert sorted(cluster.pods()) == ["pool-0", "pool-1"]
 
 
@@ -154,9 +154,11 @@ async def test_failed_pod_is_replaced_without_drain(cluster: Cluster, operator: 
     await cluster.kubelet.set_status("pool-0", phase="Failed", ready=False, ip="10.9.9.9")
 
     await cluster.wait_for(
-        lambda: cluster.pods().get("pool-0", {}).get("metadata", {}).get("uid") not in (None, old_uid)
+        lambda: (
+            cluster.pods().get("pool-0", {}).get("metadata", {}).get("uid") not in (None, old_uid)
+        )
     )
-    await cluster.wait_for(lambda: cluster.ready())
+    await cluster.wait_for(cluster.ready)
     await cluster.wait_for(lambda: cluster.events("ExecutorStopped"))
     assert cluster.events("ExecutorStopped")[0]["type"] == "Warning"
     assert not cluster.admin.calls("POST")  # a stopped executor has nothing to drain
@@ -178,7 +180,7 @@ async def test_rolling_update_replaces_one_executor_at_a_time(
             and all(p["spec"]["containers"][0]["image"].endswith(":2") for p in pods)
         )
 
-    await cluster.wait_for(updated, timeout=30)
+    await cluster.wait_for(updated, within_s=30)
     # Highest slot first; each executor drained, deleted and recreated before the next drain.
     order = sorted(
         [(c.seq, "drain", c.path.split("/")[3]) for c in cluster.admin.calls("POST")]
@@ -221,7 +223,7 @@ async def test_invalid_spec_reports_and_creates_nothing(
 
     # Fixing the spec is all it takes.
     await cluster.patch_spec("pool", {"model": {"family": "llama", "loops": 1}})
-    await cluster.wait_for(lambda: cluster.ready())
+    await cluster.wait_for(cluster.ready)
     assert cluster.status()["observedGeneration"] == cluster.pool()["metadata"]["generation"]
 
 
@@ -251,21 +253,23 @@ async def test_drain_timeout_removes_the_executor_anyway(
     await cluster.wait_for(lambda: cluster.events("DrainTimeout"))  # Events are posted async
     [event] = cluster.events("DrainTimeout")
     assert event["type"] == "Warning" and "pool-1" in event["message"]
-    await cluster.wait_for(lambda: cluster.ready())
+    await cluster.wait_for(cluster.ready)
 
 
 async def test_membership_waits_for_the_admin_api(cluster: Cluster, operator: KopfRunner) -> None:
     cluster.admin.unavailable = True
     await cluster.create(pool_manifest(replicas=2))
     await cluster.wait_for(
-        lambda: cluster.condition("AdmissionSynced").get("reason") == "AdminUnavailable"
-        and len(cluster.status().get("executors", [])) == 2
+        lambda: (
+            cluster.condition("AdmissionSynced").get("reason") == "AdminUnavailable"
+            and len(cluster.status().get("executors", [])) == 2
+        )
     )
     assert not cluster.ready()
     assert "HTTP 503" in cluster.condition("AdmissionSynced")["message"]
 
     cluster.admin.unavailable = False  # the admission pod became ready
-    await cluster.wait_for(lambda: cluster.ready())
+    await cluster.wait_for(cluster.ready)
     assert endpoints(cluster) == pod_endpoints(cluster)
 
 

@@ -26,6 +26,8 @@ from kvgate.operator.builders.common import (
 )
 from kvgate.operator.models import GPU_RESOURCE, ExecutorPoolSpec, ModelSpec
 from kvgate.operator.naming import (
+    ANNOTATION_MODEL_FAMILY,
+    ANNOTATION_MODEL_LOOPS,
     COMPONENT_EXECUTOR,
     EXECUTOR_PORT,
     EXECUTOR_TOKEN_DIR,
@@ -153,7 +155,14 @@ def _pod_template(pool: PoolRef, spec: ExecutorPoolSpec) -> Manifest:
         ]
     if spec.affinity is not None:
         pod_spec["affinity"] = copy.deepcopy(spec.affinity)
-    return {"labels": labels(pool, COMPONENT_EXECUTOR), "spec": pod_spec}
+    return {
+        "labels": labels(pool, COMPONENT_EXECUTOR),
+        "annotations": {
+            ANNOTATION_MODEL_FAMILY: spec.model.family.value,
+            ANNOTATION_MODEL_LOOPS: str(spec.model.loops),
+        },
+        "spec": pod_spec,
+    }
 
 
 def executor_revision(pool: PoolRef, spec: ExecutorPoolSpec) -> str:
@@ -170,6 +179,7 @@ def build_executor_pod(pool: PoolRef, spec: ExecutorPoolSpec, slot: int) -> Mani
         LABEL_SLOT: str(slot),
         LABEL_REVISION: spec_hash(template),
     }
+    meta["annotations"] = dict(template["annotations"])
     pod_spec: dict[str, Any] = {"hostname": name, **template["spec"]}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
