@@ -32,6 +32,7 @@ from kvgate.operator.reconciler import Outcome, OutcomeKind
 from kvgate.operator.runtime import Runtime
 
 _RETRYABLE = (ApiError, AdminUnavailable, AdminRejected)
+_FAILURES = "kvgate_failures"  # in kopf's per-pool memo
 # A pass started by a pod event retries itself this often at most (about five minutes at the
 # default backoff); a pool that is still not converged then waits for the next event.
 POD_EVENT_ATTEMPTS = 8
@@ -58,16 +59,20 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | No
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 async def reconcile(
-    *, namespace: str | None, name: str, body: kopf.Body, retry: int, memo: Any, **_: Any
+    *, namespace: str | None, name: str, body: kopf.Body, memo: Any, **_: Any
 ) -> None:
     assert namespace is not None  # ExecutorPool is a namespaced resource
     runtime = Runtime.of(memo)
+    failures = int(memo.get(_FAILURES, 0))  # consecutive failed passes of this pool
     try:
         outcome = await runtime.passes.run(namespace, name)
     except _RETRYABLE as error:
-        if retry == 0:  # one Event per failure streak; every retry is in the log
+        memo[_FAILURES] = failures + 1
+        if failures == 0:  # one Event per streak of failures; every retry is in the log
             kopf.event(body, type="Warning", reason="ReconcileFailed", message=str(error))
-        raise kopf.TemporaryError(str(error), delay=runtime.config.retry_delay_s(retry)) from None
+        delay = runtime.config.retry_delay_s(failures)
+        raise kopf.TemporaryError(str(error), delay=delay) from None
+    memo[_FAILURES] = 0
     match outcome.kind:
         case OutcomeKind.INVALID:
             kopf.event(body, type="Warning", reason="InvalidSpec", message=outcome.message)

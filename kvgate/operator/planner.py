@@ -72,6 +72,7 @@ class PlanInput:
     now: datetime
     drain_timeout: timedelta
     admin_problem: str = ""
+    admission_paused: bool = False  # spec.admission.replicas is 0: membership is left alone
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ def plan(inp: PlanInput) -> Plan:
         if p.ready and p.pod_ip is not None
     )
     membership = None
-    if inp.membership is not None:
+    if inp.membership is not None and not inp.admission_paused:
         current = {(m.name, m.endpoint, m.state in _DRAINING_STATES) for m in inp.membership}
         if current != {(e.name, e.endpoint, e.draining) for e in desired}:
             membership = desired
@@ -311,7 +312,6 @@ def _progress(f: _Facts) -> tuple[str, str]:
 
 
 def _conditions(f: _Facts) -> tuple[ConditionUpdate, ...]:
-    inp = f.inp
     reason, message = _progress(f)
     true, false = ConditionStatus.TRUE, ConditionStatus.FALSE
     conditions = [
@@ -327,21 +327,35 @@ def _conditions(f: _Facts) -> tuple[ConditionUpdate, ...]:
             reason=reason,
             message=message,
         ),
-        ConditionUpdate(
-            type=ConditionType.ADMISSION_SYNCED,
-            status=true if f.members_known else false,
-            reason="MembershipSynced" if f.members_known else "AdminUnavailable",
-            message=(
-                f"{f.desired_members} executors in the admission service's membership"
-                if f.members_known
-                else inp.admin_problem
-            ),
-        ),
+        _admission_condition(f),
     ]
     drain_condition = _drain_condition(f)
     if drain_condition is not None:
         conditions.append(drain_condition)
     return tuple(conditions)
+
+
+def _admission_condition(f: _Facts) -> ConditionUpdate:
+    if f.inp.admission_paused:
+        return ConditionUpdate(
+            type=ConditionType.ADMISSION_SYNCED,
+            status=ConditionStatus.FALSE,
+            reason="AdmissionScaledToZero",
+            message="spec.admission.replicas is 0: no requests are admitted",
+        )
+    if not f.members_known:
+        return ConditionUpdate(
+            type=ConditionType.ADMISSION_SYNCED,
+            status=ConditionStatus.FALSE,
+            reason="AdminUnavailable",
+            message=f.inp.admin_problem,
+        )
+    return ConditionUpdate(
+        type=ConditionType.ADMISSION_SYNCED,
+        status=ConditionStatus.TRUE,
+        reason="MembershipSynced",
+        message=f"{f.desired_members} executors in the admission service's membership",
+    )
 
 
 def _drain_condition(f: _Facts) -> ConditionUpdate | None:

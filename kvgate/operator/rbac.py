@@ -40,7 +40,7 @@ REQUIRED_RULES: Final[tuple[Rule, ...]] = (
     Rule(
         "",
         ("pods",),
-        ("get", "list", "watch", "create", "patch", "delete"),
+        ("list", "watch", "create", "patch", "delete"),
         "executor pods: create, mark draining, delete; watch pool pods",
     ),
     Rule("", ("services", "configmaps"), ("get", "create", "patch"), "pool Services, ConfigMap"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -171,7 +171,9 @@ class Reconciler:
             admin_url(self._config.admin_url_template, pool=ref.name, namespace=ref.namespace),
             token,
         )
-        membership, admin_problem = await self._membership(admin)
+        paused = spec.admission.replicas == 0
+        # No admission service, no work on any executor: nothing to drain or to tell.
+        membership, admin_problem = ([], "") if paused else await self._membership(admin)
         now = self._clock().replace(microsecond=0)
         plan = planner.plan(
             planner.PlanInput(
@@ -183,6 +185,7 @@ class Reconciler:
                 now=now,
                 drain_timeout=timedelta(seconds=spec.drain_timeout_seconds),
                 admin_problem=admin_problem,
+                admission_paused=paused,
             )
         )
         await self._act(plan, raw=raw, ref=ref, spec=spec, admin=admin, now=now)
@@ -242,7 +245,7 @@ class Reconciler:
         name = desired["metadata"]["name"]
         live = await self._kube.get(resource, ref.namespace, name)
         if live is None:
-            if await self._kube.create(resource, ref.namespace, desired):
+            if await self._write(self._kube.create(resource, ref.namespace, desired), desired):
                 return
             live = await self._kube.get(resource, ref.namespace, name)
             if live is None:
@@ -255,7 +258,23 @@ class Reconciler:
             )
         wanted = desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
         if annotation(live, ANNOTATION_SPEC_HASH) != wanted:
-            await self._kube.merge_patch(resource, ref.namespace, name, desired)
+            await self._write(
+                self._kube.merge_patch(resource, ref.namespace, name, desired), desired
+            )
+
+    @staticmethod
+    async def _write(call: Awaitable[bool], manifest: RawObject) -> bool:
+        """A create or patch of an object built from the spec. The API server refusing it
+        (400, 422: e.g. a malformed affinity passed through) is a problem of the spec."""
+        try:
+            return await call
+        except ApiError as error:
+            if error.status in (400, 422):
+                kind, name = manifest["kind"], manifest["metadata"]["name"]
+                raise InvalidSpecError(
+                    f"the API server refused {kind} {name}: {error.message}"
+                ) from None
+            raise
 
     async def _membership(self, admin: AdminClient) -> tuple[list[ExecutorStatus] | None, str]:
         try:
@@ -292,7 +311,7 @@ class Reconciler:
                 self._event(raw, *_deletion_event(deletion, spec))
         for slot in plan.creations:
             pod = build_executor_pod(ref, spec, slot)
-            if await self._kube.create(PODS, ref.namespace, pod):
+            if await self._write(self._kube.create(PODS, ref.namespace, pod), pod):
                 self._event(raw, "Normal", "ExecutorCreated", f"created {pod['metadata']['name']}")
 
     def _event(self, raw: RawObject, type: str, reason: str, message: str) -> None:

@@ -11,6 +11,7 @@ This adds what a real API server does and the operator (or kopf) relies on:
 - label selectors on list and watch (equality, inequality, existence);
 - delete preconditions (uid), and the garbage collector: deleting an object deletes every
   object whose ``ownerReferences`` name its uid (recursively);
+- validators a test adds, refusing a create with 422 as the API server's validation would;
 - a journal of every request with a global sequence number shared with the fake admin API, so
   tests can assert the order of calls across both servers;
 - ``changed``: notified on every write, so tests wait for states without sleeping.
@@ -94,6 +95,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     sequence: Iterator[int] = attrs.field(factory=lambda: itertools.count(1))
     journal: list[Call] = attrs.field(factory=list)
     changed: asyncio.Condition = attrs.field(factory=asyncio.Condition)
+    # Validation of created objects, as the API server does: (plural, body) -> refusal or None.
+    validators: list[Callable[[str, Mapping[str, Any]], str | None]] = attrs.field(factory=list)
     _versions: Iterator[int] = attrs.field(factory=lambda: itertools.count(1))
     _subresources: dict[kmock.resource, set[str]] = attrs.field(factory=dict)
 
@@ -195,6 +198,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     def _admit_create(self, request: rendering.Request) -> None:
         body = request.data
+        assert request.resource is not None
+        for validator in self.validators:
+            refusal = validator(request.resource.plural or "", body)
+            if refusal is not None:
+                raise kmock.KubernetesError(422, "Invalid", refusal)
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]

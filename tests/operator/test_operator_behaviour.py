@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import yaml
 from kopf.testing import KopfRunner
 
 from kvgate.operator.naming import ANNOTATION_DRAINING_SINCE, LABEL_REVISION
@@ -295,3 +296,71 @@ async def test_restarted_operator_finishes_a_drain(cluster: Cluster) -> None:
     finally:
         await asyncio.to_thread(second.__exit__, None, None, None)
     assert len(cluster.admin.calls("POST", "/v1/executors/pool-1/drain")) == 1
+
+
+async def test_scheduler_settings_roll_the_admission_service_not_the_executors(
+    cluster: Cluster, operator: KopfRunner
+) -> None:
+    await ready_pool(cluster, replicas=2)
+    executors = {name: pod["metadata"]["uid"] for name, pod in cluster.pods().items()}
+    deployment = cluster.api.get("apps/v1/deployments", NAMESPACE, "pool-admission")
+    assert deployment is not None
+    before = deployment["spec"]["template"]["metadata"]["annotations"]
+
+    await cluster.patch_spec("pool", {"scheduler": {"maxNumSeqs": 16, "policy": "fcfs"}})
+
+    def config() -> dict[str, Any]:
+        configmap = cluster.api.get("v1/configmaps", NAMESPACE, "pool-admission") or {}
+        return dict(yaml.safe_load(configmap.get("data", {}).get("admission.yaml", "{}")))
+
+    await cluster.wait_for(
+        lambda: config().get("scheduler") == {"max_num_seqs": 16, "policy": "fcfs"}
+    )
+    await cluster.wait_for(
+        lambda: (
+            cluster.status().get("observedGeneration") == cluster.pool()["metadata"]["generation"]
+            and cluster.ready()
+        )
+    )
+    deployment = cluster.api.get("apps/v1/deployments", NAMESPACE, "pool-admission")
+    assert deployment is not None
+    after = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert after["kvgate.dev/config-hash"] != before["kvgate.dev/config-hash"]  # it restarts
+    # The executors were left alone: same pods, nothing drained.
+    assert {name: pod["metadata"]["uid"] for name, pod in cluster.pods().items()} == executors
+    assert not cluster.admin.calls("POST")
+
+
+async def test_a_spec_the_api_server_refuses_is_reported_as_invalid(
+    cluster: Cluster, operator: KopfRunner
+) -> None:
+    def operators_known(plural: str, body: Any) -> str | None:
+        if plural != "pods":
+            return None
+        terms = (
+            body.get("spec", {})
+            .get("affinity", {})
+            .get("nodeAffinity", {})
+            .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+            .get("nodeSelectorTerms", [])
+        )
+        for term in terms:
+            for expression in term.get("matchExpressions", []):
+                if expression.get("operator") not in ("In", "NotIn", "Exists", "DoesNotExist"):
+                    return f"Unsupported value: {expression.get('operator')!r}"
+        return None
+
+    cluster.api.validators.append(operators_known)
+    near = {"matchExpressions": [{"key": "gpu", "operator": "Near", "values": ["h100"]}]}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [near]}
+        }
+    }
+    await cluster.create(pool_manifest(replicas=1, affinity=affinity))
+
+    await cluster.wait_for(lambda: cluster.condition("Ready").get("reason") == "InvalidSpec")
+    message = cluster.condition("Ready")["message"]
+    assert "the API server refused Pod pool-0" in message and "'Near'" in message
+    await cluster.wait_for(lambda: cluster.events("InvalidSpec"))
+    assert cluster.pods() == {}

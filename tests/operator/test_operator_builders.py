@@ -36,7 +36,7 @@ from kvgate.operator.naming import (
     LABEL_SLOT,
 )
 from tests.operator.cluster import pool_manifest
-from tests.operator.test_operator_crd import FULL_SPEC
+from tests.operator.examples import FULL_SPEC
 
 POOL = PoolRef(name="pool", namespace="serving", uid="0b9f5c1e-uid")
 

@@ -386,3 +386,25 @@ def test_the_rollout_check_catches_a_planner_that_drains_two_at_once() -> None:
         assert "two executors draining at once" in str(error)
     else:
         raise AssertionError("check_step accepted two drains at once")
+
+
+def test_with_the_admission_service_scaled_to_zero_nothing_is_served() -> None:
+    pods = [pod(s, revision=OLD) for s in range(2)]
+    result = plan(
+        PlanInput(
+            pool="pool",
+            replicas=2,
+            revision=NEW,
+            pods=pods,
+            membership=[],
+            now=NOW,
+            drain_timeout=timedelta(seconds=60),
+            admission_paused=True,
+        )
+    )
+    assert result.membership is None and result.drains == ()
+    assert sorted((d.name, d.removal) for d in result.deletions) == [
+        ("pool-0", Removal.NOT_SERVING),
+        ("pool-1", Removal.NOT_SERVING),
+    ]
+    assert condition(result, ConditionType.ADMISSION_SYNCED) == ("False", "AdmissionScaledToZero")
