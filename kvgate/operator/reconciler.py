@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
 from pydantic import ValidationError
@@ -53,26 +53,23 @@ from kvgate.operator.naming import (
     ADMIN_TOKEN_KEY,
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
-    COMPONENT_EXECUTOR,
-    LABEL_COMPONENT,
-    LABEL_POOL,
     admin_token_secret_name,
 )
 from kvgate.operator.observe import (
+    ObservedPod,
     ObservedPool,
     annotation,
     controller_uid,
     observe_pod,
     observe_pool,
 )
-from kvgate.operator.status import (
-    ConditionStatus,
-    ConditionType,
-    ConditionUpdate,
-    Phase,
-    PoolStatus,
-    merge_conditions,
+from kvgate.operator.report import (
+    deletion_event,
+    executor_selector,
+    pool_status,
+    problem_status_patch,
 )
+from kvgate.operator.status import ConditionType, Phase, PoolStatus
 
 
 class EventSink(Protocol):
@@ -124,10 +121,9 @@ class Reconciler:
 
     async def reconcile(self, namespace: str, name: str) -> Outcome:
         raw = await self._kube.get(EXECUTOR_POOLS, namespace, name)
-        if raw is None or observe_pool(raw).deleting:
+        pool = observe_pool(raw) if raw is not None else None
+        if raw is None or pool is None or pool.deleting:
             return Outcome(OutcomeKind.GONE)  # the garbage collector takes the children
-        pool = observe_pool(raw)
-        ref = PoolRef(pool.name, pool.namespace, pool.uid)
         try:
             spec = parse_spec(pool.name, pool.spec)
             image = spec.admission.image or self._config.admission_image
@@ -136,7 +132,7 @@ class Reconciler:
                     "spec.admission.image: required, the operator has no default admission "
                     "image (KVGATE_OPERATOR_ADMISSION_IMAGE)"
                 )
-            return await self._converge(raw, pool, ref, spec, image)
+            return await self._converge(raw, pool, spec, image)
         except InvalidSpecError as error:
             await self._report_problem(pool, Phase.FAILED, "InvalidSpec", error.message)
             return Outcome(OutcomeKind.INVALID, error.message)
@@ -147,25 +143,12 @@ class Reconciler:
             )
 
     async def _converge(
-        self, raw: RawObject, pool: ObservedPool, ref: PoolRef, spec: ExecutorPoolSpec, image: str
+        self, raw: RawObject, pool: ObservedPool, spec: ExecutorPoolSpec, image: str
     ) -> Outcome:
+        ref = PoolRef(pool.name, pool.namespace, pool.uid)
         token = await self._admin_token(ref)
-        deployment = build_admission_deployment(ref, spec, image=image, admin_token=token)
-        for resource, manifest in (
-            (SERVICES, build_executor_service(ref)),
-            (SERVICES, build_admission_service(ref)),
-            (CONFIGMAPS, build_admission_configmap(ref, spec)),
-            (DEPLOYMENTS, deployment),
-        ):
-            await self._ensure(resource, ref, manifest)
-
-        revision = executor_revision(ref, spec)
-        selector = {LABEL_POOL: ref.name, LABEL_COMPONENT: COMPONENT_EXECUTOR}
-        pods = [
-            observe_pod(item)
-            for item in await self._kube.list(PODS, ref.namespace, selector)
-            if controller_uid(item) == ref.uid
-        ]
+        await self._ensure_children(ref, spec, image, token)
+        pods = await self._executor_pods(ref)
         admin = AdminClient(
             self._admin_session,
             admin_url(self._config.admin_url_template, pool=ref.name, namespace=ref.namespace),
@@ -175,6 +158,7 @@ class Reconciler:
         # No admission service, no work on any executor: nothing to drain or to tell.
         membership, admin_problem = ([], "") if paused else await self._membership(admin)
         now = self._clock().replace(microsecond=0)
+        revision = executor_revision(ref, spec)
         plan = planner.plan(
             planner.PlanInput(
                 pool=ref.name,
@@ -189,20 +173,7 @@ class Reconciler:
             )
         )
         await self._act(plan, raw=raw, ref=ref, spec=spec, admin=admin, now=now)
-        status = PoolStatus(
-            phase=plan.phase,
-            observed_generation=pool.generation,
-            replicas=plan.live_replicas,
-            ready_replicas=plan.ready_replicas,
-            updated_replicas=plan.updated_replicas,
-            revision=revision,
-            selector=",".join(f"{k}={v}" for k, v in sorted(selector.items())),
-            executors=list(plan.executors),
-            conditions=merge_conditions(
-                pool.conditions, plan.conditions, now=now, generation=pool.generation
-            ),
-        )
-        await self._write_status(pool, status)
+        await self._write_status(pool, pool_status(pool, plan, revision, now))
         if plan.converged:
             return Outcome(OutcomeKind.CONVERGED)
         ready = next(c for c in plan.conditions if c.type is ConditionType.READY)
@@ -210,6 +181,23 @@ class Reconciler:
         # Pod changes arrive as events; the slower resync only guards against missed ones.
         delay_s = self._config.poll_interval_s if poll else self._config.resync_interval_s
         return Outcome(OutcomeKind.WAITING, ready.message, delay_s, poll=poll)
+
+    async def _ensure_children(
+        self, ref: PoolRef, spec: ExecutorPoolSpec, image: str, token: str
+    ) -> None:
+        deployment = build_admission_deployment(ref, spec, image=image, admin_token=token)
+        for resource, manifest in (
+            (SERVICES, build_executor_service(ref)),
+            (SERVICES, build_admission_service(ref)),
+            (CONFIGMAPS, build_admission_configmap(ref, spec)),
+            (DEPLOYMENTS, deployment),
+        ):
+            await self._ensure(resource, ref, manifest)
+
+    async def _executor_pods(self, ref: PoolRef) -> list[ObservedPod]:
+        """This pool's executor pods (a same-named predecessor's pods are not ours)."""
+        items = await self._kube.list(PODS, ref.namespace, executor_selector(ref.name))
+        return [observe_pod(item) for item in items if controller_uid(item) == ref.uid]
 
     async def _admin_token(self, ref: PoolRef) -> str:
         """The pool's admin token, from its Secret; created on first use."""
@@ -308,7 +296,7 @@ class Reconciler:
             self._event(raw, "Normal", "MembershipUpdated", f"executors: {names}")
         for deletion in plan.deletions:
             if await self._kube.delete(PODS, ref.namespace, deletion.name, uid=deletion.uid):
-                self._event(raw, *_deletion_event(deletion, spec))
+                self._event(raw, *deletion_event(deletion, spec))
         for slot in plan.creations:
             pod = build_executor_pod(ref, spec, slot)
             if await self._write(self._kube.create(PODS, ref.namespace, pod), pod):
@@ -330,57 +318,9 @@ class Reconciler:
     async def _report_problem(
         self, pool: ObservedPool, phase: Phase, reason: str, message: str
     ) -> None:
-        """Ready=False with the reason; the rest of the status stays as it was."""
         now = self._clock().replace(microsecond=0)
-        updates = [
-            ConditionUpdate(
-                type=ConditionType.READY,
-                status=ConditionStatus.FALSE,
-                reason=reason,
-                message=message,
-            ),
-            ConditionUpdate(
-                type=ConditionType.PROGRESSING,
-                status=ConditionStatus.FALSE,
-                reason=reason,
-                message=message,
-            ),
-        ]
-        conditions = merge_conditions(pool.conditions, updates, now=now, generation=pool.generation)
-        current = [c.model_dump(mode="json", by_alias=True) for c in pool.conditions]
-        wanted = [c.model_dump(mode="json", by_alias=True) for c in conditions]
-        stored = pool.status
-        if (
-            current == wanted
-            and stored.get("phase") == phase.value
-            and stored.get("observedGeneration") == pool.generation
-        ):
-            return
-        patch: dict[str, Any] = {
-            "status": {
-                "phase": phase.value,
-                "observedGeneration": pool.generation,
-                "conditions": wanted,
-            }
-        }
-        await self._kube.merge_patch(
-            EXECUTOR_POOLS, pool.namespace, pool.name, patch, subresource="status"
-        )
-
-
-def _deletion_event(deletion: planner.Deletion, spec: ExecutorPoolSpec) -> tuple[str, str, str]:
-    name = deletion.name
-    match deletion.removal:
-        case planner.Removal.STOPPED:
-            return "Warning", "ExecutorStopped", f"{name} stopped running; replacing it"
-        case planner.Removal.DRAIN_TIMEOUT:
-            return (
-                "Warning",
-                "DrainTimeout",
-                f"{name} did not drain within {spec.drain_timeout_seconds}s; deleted anyway "
-                f"({deletion.cause}); its requests are recomputed elsewhere",
+        patch = problem_status_patch(pool, phase, reason, message, now=now)
+        if patch is not None:
+            await self._kube.merge_patch(
+                EXECUTOR_POOLS, pool.namespace, pool.name, patch, subresource="status"
             )
-        case planner.Removal.DRAINED:
-            return "Normal", "ExecutorRemoved", f"{name} drained and deleted ({deletion.cause})"
-        case planner.Removal.NOT_SERVING:
-            return "Normal", "ExecutorRemoved", f"{name} held no work; deleted ({deletion.cause})"
