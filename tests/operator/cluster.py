@@ -8,14 +8,12 @@ Running and Ready, unless a test takes a pod over to fail it or hold it back.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.operator.naming import ADMIN_TOKEN_KEY, admin_token_secret_name
 from tests.operator.fake_admin import FakeAdminApi
 from tests.operator.kube_emulator import KubeEmulator, until
 
@@ -139,12 +137,6 @@ class Cluster:
             for e in self.api.live("v1/events", NAMESPACE)
             if e["reason"] == reason and e["involvedObject"]["name"] == name
         ]
-
-    def admin_token(self, pool: str) -> str | None:
-        secret = self.api.get("v1/secrets", NAMESPACE, admin_token_secret_name(pool))
-        if secret is None:
-            return None
-        return base64.b64decode(secret["data"][ADMIN_TOKEN_KEY]).decode()
 
     def ready(self, name: str = "pool") -> bool:
         return self.condition("Ready", name).get("status") == "True"
