@@ -126,6 +126,27 @@ def controller_uid(raw: Mapping[str, Any]) -> str | None:
     return None
 
 
+# Quantities come back canonicalised ("0.5" -> "500m"): they are compared by the spec hash only.
+_HASH_ONLY = frozenset({"resources"})
+
+
+def covers(live: object, desired: object) -> bool:
+    """Whether ``live`` still has every value ``desired`` sets (fields the API server or
+    others added are ignored; lists must match element by element)."""
+    if isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(
+            key in _HASH_ONLY or (key in live and covers(live[key], value))
+            for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(live) == len(desired)
+            and all(covers(a, b) for a, b in zip(live, desired, strict=True))
+        )
+    return bool(live == desired)
+
+
 def annotation(raw: Mapping[str, Any], key: str) -> str | None:
     value = _mapping(_mapping(raw.get("metadata")).get("annotations")).get(key)
     return value if isinstance(value, str) else None

@@ -60,6 +60,7 @@ from kvgate.operator.observe import (
     ObservedPool,
     annotation,
     controller_uid,
+    covers,
     observe_pod,
     observe_pool,
 )
@@ -244,8 +245,9 @@ class Reconciler:
                 f"{desired['kind']} {name} exists and does not belong to this pool; "
                 "delete it or rename the pool",
             )
+        # Patch when the spec changed (hash), or when someone changed what we set (drift).
         wanted = desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
-        if annotation(live, ANNOTATION_SPEC_HASH) != wanted:
+        if annotation(live, ANNOTATION_SPEC_HASH) != wanted or not covers(live, desired):
             await self._write(
                 self._kube.merge_patch(resource, ref.namespace, name, desired), desired
             )

@@ -49,7 +49,7 @@ class Kubelet:
     _next_ip: int = 10
     _task: asyncio.Task[None] | None = None
 
-    def _pending(self) -> list[dict[str, Any]]:
+    def pending(self) -> list[dict[str, Any]]:
         return [
             pod
             for pod in self.api.live("v1/pods", NAMESPACE)
@@ -76,8 +76,8 @@ class Kubelet:
     async def _run(self) -> None:
         while True:
             async with self.api.changed:
-                await self.api.changed.wait_for(lambda: bool(self._pending()))
-            for pod in self._pending():
+                await self.api.changed.wait_for(lambda: bool(self.pending()))
+            for pod in self.pending():
                 await self.start_pod(pod["metadata"]["name"])
 
     def start(self) -> None:

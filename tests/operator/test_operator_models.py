@@ -235,3 +235,16 @@ def test_bad_admin_url_templates_are_refused(
     monkeypatch.setenv("KVGATE_OPERATOR_ADMIN_URL_TEMPLATE", template)
     with pytest.raises(ValidationError, match=expected):
         OperatorConfig()
+
+
+def test_covers_ignores_additions_but_not_changes() -> None:
+    from kvgate.operator.observe import covers
+
+    desired = {"a": 1, "b": {"c": [{"d": 2}]}, "resources": {"cpu": "0.5"}}
+    assert covers(
+        {"a": 1, "b": {"c": [{"d": 2, "e": 3}], "f": 4}, "g": 5, "resources": {"cpu": "500m"}},
+        desired,
+    )
+    assert not covers({"a": 2, "b": {"c": [{"d": 2}]}}, desired)
+    assert not covers({"a": 1, "b": {"c": [{"d": 2}, {"d": 3}]}}, desired)
+    assert not covers({"a": 1}, desired)
