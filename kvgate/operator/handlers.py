@@ -23,6 +23,7 @@ import asyncio
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
 
 from kvgate.operator.admin import AdminRejected, AdminUnavailable
 from kvgate.operator.config import OperatorConfig, configure_kopf
@@ -40,7 +41,10 @@ POD_EVENT_ATTEMPTS = 8
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    config = OperatorConfig()
+    try:
+        config = OperatorConfig()
+    except ValidationError as error:  # bad settings: stop at once, do not retry
+        raise kopf.PermanentError(f"invalid operator settings: {error}") from None
     configure_kopf(settings, config)
     Runtime.start(config, default_login(settings)).store(memo)
 

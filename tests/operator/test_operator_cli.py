@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import kopf
 import pytest
 
 from kvgate.cli import build_parser
+from kvgate.operator.handlers import startup
 from tests.operator.cluster import Cluster, pool_manifest
 
 
@@ -78,3 +80,11 @@ async def test_the_command_runs_the_operator_with_a_liveness_endpoint(cluster: C
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_bad_settings_stop_the_operator_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_OPERATOR_POLL_INTERVAL_S", "-1")
+    memo = kopf.Memo()
+    with pytest.raises(kopf.PermanentError, match="poll_interval_s"):
+        await startup(settings=kopf.OperatorSettings(), memo=memo)
+    assert "kvgate_runtime" not in memo

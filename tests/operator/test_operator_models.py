@@ -16,7 +16,7 @@ from kvgate.operator.models import (
     ModelFamily,
     parse_spec,
 )
-from kvgate.operator.observe import PodPhase, observe_pod, observe_pool
+from kvgate.operator.observe import PodPhase, covers, observe_pod, observe_pool
 from kvgate.operator.status import (
     ConditionStatus,
     ConditionType,
@@ -238,8 +238,6 @@ def test_bad_admin_url_templates_are_refused(
 
 
 def test_covers_ignores_additions_but_not_changes() -> None:
-    from kvgate.operator.observe import covers
-
     desired = {"a": 1, "b": {"c": [{"d": 2}]}, "resources": {"cpu": "0.5"}}
     assert covers(
         {"a": 1, "b": {"c": [{"d": 2, "e": 3}], "f": 4}, "g": 5, "resources": {"cpu": "500m"}},

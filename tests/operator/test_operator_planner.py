@@ -223,7 +223,7 @@ def test_outdated_executors_that_serve_nothing_are_replaced_at_once() -> None:
 
 def test_stopped_pods_are_deleted_without_drain_and_recreated_later() -> None:
     pods = [pod(0), pod(1, phase=PodPhase.FAILED, ready=False)]
-    result = step(2, pods, [member(pods[0]), member(pods[0])][:1])
+    result = step(2, pods, [member(pods[0])])
     assert [(d.name, d.removal) for d in result.deletions] == [("pool-1", Removal.STOPPED)]
     assert result.drains == ()
     assert result.creations == ()  # the name is still taken until the pod is gone
