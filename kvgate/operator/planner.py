@@ -1,7 +1,8 @@
 """One reconcile step for a pool's executors, as a pure function of what was observed.
 
 ``plan()`` reads the desired size and revision, the executor Pods and the admission service's
-membership, and returns what to do now and the status to report. It never waits: waiting is
+membership, and returns what to do now with the facts the status is made of (``report`` words
+them). It never waits: waiting is
 "nothing to do yet, look again later", which the caller turns into a retry. Levels, not edges:
 the same observations always give the same plan, so a crash between any two actions is repaired
 by the next pass.
@@ -33,13 +34,7 @@ from enum import StrEnum
 from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState, ExecutorStatus
 from kvgate.operator.naming import executor_pod_name, step_endpoint
 from kvgate.operator.observe import ObservedPod, PodPhase
-from kvgate.operator.status import (
-    ConditionStatus,
-    ConditionType,
-    ConditionUpdate,
-    ExecutorEntry,
-    Phase,
-)
+from kvgate.operator.status import ExecutorEntry
 
 _STOPPED = (PodPhase.FAILED, PodPhase.SUCCEEDED)
 _DRAINING_STATES = (ExecutorState.DRAINING, ExecutorState.DRAINED)
@@ -92,18 +87,30 @@ class Deletion:
 
 @dataclass(frozen=True)
 class Plan:
+    """What to do now, and the facts the status is made of (see ``report``)."""
+
+    input: PlanInput
+    # Actions, in the order they are carried out.
     drains: tuple[DrainStart, ...]
     membership: tuple[ExecutorSpec, ...] | None  # None: leave the membership as it is
     deletions: tuple[Deletion, ...]
     creations: tuple[int, ...]  # slots
+    # Facts.
     converged: bool  # once this plan is carried out, the pool is what its spec asks for
-    draining: bool  # an executor is (still) draining: look again soon
-    phase: Phase
-    executors: tuple[ExecutorEntry, ...]
+    still_draining: tuple[ObservedPod, ...]  # drains under way that continue
+    surplus: int  # pods above the desired slots
+    outdated: int  # slot owners at another revision
+    executors: tuple[ExecutorEntry, ...]  # the pods that remain, for the status
     ready_replicas: int
     updated_replicas: int
     live_replicas: int
-    conditions: tuple[ConditionUpdate, ...]
+    members_known: bool  # the admin API answered
+    desired_members: int
+
+    @property
+    def draining(self) -> bool:
+        """An executor is draining after this plan: look again soon."""
+        return bool(self.still_draining) or any(d.mark for d in self.drains)
 
 
 def _drain_verdict(
@@ -127,102 +134,157 @@ def _by_slot_desc(pod: ObservedPod) -> tuple[int, str]:
     return (-1 if pod.slot is None else pod.slot, pod.name)
 
 
-def plan(inp: PlanInput) -> Plan:
-    members = {m.name: m for m in inp.membership} if inp.membership is not None else None
+@dataclass(frozen=True)
+class _Pods:
+    """The executor pods, sorted out."""
+
+    stopped: list[ObservedPod]  # Failed or Succeeded, not yet terminating
+    alive: list[ObservedPod]  # the rest of the pods not terminating
+    owners: dict[int, ObservedPod]  # slot -> the pod named for it, for slots in range
+    surplus: list[ObservedPod]  # alive, not owning a slot in range
+    outdated: list[ObservedPod]  # owners at another revision
+    names_taken: set[str]  # every pod name in use, terminating ones included
+
+    @property
+    def cause(self) -> dict[str, Cause]:
+        return {p.name: Cause.SCALE_DOWN for p in self.surplus} | {
+            p.name: Cause.UPDATE for p in self.outdated
+        }
+
+
+def _sort_out(inp: PlanInput) -> _Pods:
     live = [p for p in inp.pods if not p.terminating]
-    names_taken = {p.name for p in inp.pods}
-
-    deletions = [
-        Deletion(p.name, p.uid, Cause.STOPPED, Removal.STOPPED) for p in live if p.phase in _STOPPED
-    ]
     alive = sorted((p for p in live if p.phase not in _STOPPED), key=lambda p: p.name)
-
-    # Slot owners are the pods named for a slot in range; anything else alive is surplus.
     owners: dict[int, ObservedPod] = {}
     surplus: list[ObservedPod] = []
     for pod in alive:
         slot = pod.slot
-        if (
-            slot is not None
-            and slot < inp.replicas
-            and pod.name == executor_pod_name(inp.pool, slot)
-        ):
+        named_for_slot = slot is not None and pod.name == executor_pod_name(inp.pool, slot)
+        if named_for_slot and slot is not None and slot < inp.replicas:
             owners[slot] = pod
         else:
             surplus.append(pod)
-    outdated = [p for p in owners.values() if p.revision != inp.revision]
-    cause = {p.name: Cause.SCALE_DOWN for p in surplus} | {p.name: Cause.UPDATE for p in outdated}
+    return _Pods(
+        stopped=[p for p in live if p.phase in _STOPPED],
+        alive=alive,
+        owners=owners,
+        surplus=surplus,
+        outdated=[p for p in owners.values() if p.revision != inp.revision],
+        names_taken={p.name for p in inp.pods},
+    )
 
-    # Drains already under way.
-    drains: list[DrainStart] = []
+
+def _follow_drains(
+    pods: _Pods, members: Mapping[str, ExecutorStatus] | None, inp: PlanInput
+) -> tuple[list[Deletion], list[DrainStart], list[ObservedPod]]:
+    """Drains under way: (pods that may go now, drain calls to repeat, pods still draining)."""
+    deletions: list[Deletion] = []
+    repeats: list[DrainStart] = []
     still_draining: list[ObservedPod] = []
-    for pod in alive:
+    for pod in pods.alive:
         if pod.draining_since is None:
             continue
+        why = pods.cause.get(pod.name, Cause.UPDATE)  # a started drain is always finished
         removal = _drain_verdict(pod, members, inp)
-        why = cause.get(pod.name, Cause.UPDATE)
         if removal is not None:
             deletions.append(Deletion(pod.name, pod.uid, why, removal))
             continue
         still_draining.append(pod)
         member = members.get(pod.name) if members is not None else None
         if member is not None and member.state not in _DRAINING_STATES:
-            drains.append(DrainStart(pod.name, why, mark=False))  # the service forgot it
+            repeats.append(DrainStart(pod.name, why, mark=False))  # the service forgot it
+    return deletions, repeats, still_draining
 
-    # Leaving pods that are not serving go at once; one serving pod starts draining.
+
+def _choose_leavers(
+    pods: _Pods,
+    members: Mapping[str, ExecutorStatus] | None,
+    inp: PlanInput,
+    *,
+    busy: bool,
+    leaving: set[str],
+) -> tuple[list[Deletion], list[DrainStart]]:
+    """Leaving pods that serve nothing go at once; one serving pod starts draining, unless
+    one drains already (``busy``) or the admin API is not answering."""
+    cause = pods.cause
     candidates = sorted(
-        (p for p in surplus if p.draining_since is None), key=_by_slot_desc, reverse=True
-    ) + sorted((p for p in outdated if p.draining_since is None), key=_by_slot_desc, reverse=True)
+        (p for p in pods.surplus if p.draining_since is None), key=_by_slot_desc, reverse=True
+    ) + sorted(
+        (p for p in pods.outdated if p.draining_since is None), key=_by_slot_desc, reverse=True
+    )
+    deletions: list[Deletion] = []
     serving: list[ObservedPod] = []
     for pod in candidates:
         if not pod.ready or (members is not None and pod.name not in members):
             deletions.append(Deletion(pod.name, pod.uid, cause[pod.name], Removal.NOT_SERVING))
         else:
             serving.append(pod)
+    if busy or not serving or members is None:
+        return deletions, []
+    victim = serving[0]
+    gone = leaving | {d.name for d in deletions}
+    others_served = all(
+        slot in pods.owners and pods.owners[slot].ready and pods.owners[slot].name not in gone
+        for slot in range(inp.replicas)
+        if slot != victim.slot
+    )
+    # Scale-down was asked for; an update must keep every other slot serving.
+    if cause[victim.name] is Cause.SCALE_DOWN or others_served:
+        return deletions, [DrainStart(victim.name, cause[victim.name], mark=True)]
+    return deletions, []
+
+
+def _membership(
+    inp: PlanInput, remaining: Sequence[ObservedPod], draining: set[str]
+) -> tuple[tuple[ExecutorSpec, ...], tuple[ExecutorSpec, ...] | None]:
+    """(the membership the service should have, the update to send or None)."""
+    desired = tuple(
+        ExecutorSpec(name=p.name, endpoint=step_endpoint(p.pod_ip), draining=p.name in draining)
+        for p in remaining
+        if p.ready and p.pod_ip is not None
+    )
+    if inp.membership is None or inp.admission_paused:
+        return desired, None
+    current = {(m.name, m.endpoint, m.state in _DRAINING_STATES) for m in inp.membership}
+    if current == {(e.name, e.endpoint, e.draining) for e in desired}:
+        return desired, None
+    return desired, desired
+
+
+def plan(inp: PlanInput) -> Plan:
+    members = {m.name: m for m in inp.membership} if inp.membership is not None else None
+    pods = _sort_out(inp)
+
+    deletions = [Deletion(p.name, p.uid, Cause.STOPPED, Removal.STOPPED) for p in pods.stopped]
+    drained, drains, still_draining = _follow_drains(pods, members, inp)
+    deletions += drained
+    leavers, started = _choose_leavers(
+        pods, members, inp, busy=bool(still_draining), leaving={d.name for d in deletions}
+    )
+    deletions += leavers
+    drains += started
     leaving = {d.name for d in deletions}
-    if not still_draining and serving and members is not None:
-        victim = serving[0]
-        others_served = all(
-            slot in owners and owners[slot].ready and owners[slot].name not in leaving
-            for slot in range(inp.replicas)
-            if slot != victim.slot
-        )
-        # Scale-down was asked for; an update must keep every other slot serving.
-        if cause[victim.name] is Cause.SCALE_DOWN or others_served:
-            drains.append(DrainStart(victim.name, cause[victim.name], mark=True))
 
     creations = tuple(
         slot
         for slot in range(inp.replicas)
-        if slot not in owners and executor_pod_name(inp.pool, slot) not in names_taken
+        if slot not in pods.owners and executor_pod_name(inp.pool, slot) not in pods.names_taken
     )
-
     draining_names = {p.name for p in still_draining} | {d.name for d in drains}
-    remaining = [p for p in alive if p.name not in leaving]
-    desired = tuple(
-        ExecutorSpec(
-            name=p.name, endpoint=step_endpoint(p.pod_ip), draining=p.name in draining_names
-        )
-        for p in remaining
-        if p.ready and p.pod_ip is not None
-    )
-    membership = None
-    if inp.membership is not None and not inp.admission_paused:
-        current = {(m.name, m.endpoint, m.state in _DRAINING_STATES) for m in inp.membership}
-        if current != {(e.name, e.endpoint, e.draining) for e in desired}:
-            membership = desired
+    remaining = [p for p in pods.alive if p.name not in leaving]
+    desired, membership = _membership(inp, remaining, draining_names)
 
-    owners_left = {s: p for s, p in owners.items() if p.name not in leaving}
-    ready = sum(1 for p in owners_left.values() if p.ready)
-    updated = sum(1 for p in owners_left.values() if p.revision == inp.revision)
+    owners_left = [p for p in pods.owners.values() if p.name not in leaving]
+    ready = sum(1 for p in owners_left if p.ready)
+    updated = sum(1 for p in owners_left if p.revision == inp.revision)
     converged = (
         not deletions
         and not drains
         and not still_draining
         and not creations
-        and not surplus
-        and not outdated
-        and ready == inp.replicas == len(owners)
+        and not pods.surplus
+        and not pods.outdated
+        and ready == inp.replicas == len(pods.owners)
         and members is not None
     )
     executors = tuple(
@@ -236,157 +298,20 @@ def plan(inp: PlanInput) -> Plan:
         )
         for p in sorted(remaining, key=_by_slot_desc)
     )
-    facts = _Facts(
-        inp=inp,
-        deletions=deletions,
-        drains=drains,
-        still_draining=still_draining,
-        creations=creations,
-        surplus=surplus,
-        outdated=outdated,
-        ready=ready,
-        updated=updated,
-        members_known=members is not None,
-        desired_members=len(desired),
-        converged=converged,
-    )
-    if converged:
-        phase = Phase.READY
-    elif ready == 0 and inp.replicas > 0:
-        phase = Phase.PENDING
-    else:
-        phase = Phase.PROGRESSING
     return Plan(
+        input=inp,
         drains=tuple(drains),
         membership=membership,
         deletions=tuple(deletions),
         creations=creations,
         converged=converged,
-        draining=bool(draining_names),
-        phase=phase,
+        still_draining=tuple(still_draining),
+        surplus=len(pods.surplus),
+        outdated=len(pods.outdated),
         executors=executors,
         ready_replicas=ready,
         updated_replicas=updated,
         live_replicas=len(remaining),
-        conditions=_conditions(facts),
+        members_known=members is not None,
+        desired_members=len(desired),
     )
-
-
-@dataclass(frozen=True)
-class _Facts:
-    inp: PlanInput
-    deletions: list[Deletion]
-    drains: list[DrainStart]
-    still_draining: list[ObservedPod]
-    creations: tuple[int, ...]
-    surplus: list[ObservedPod]
-    outdated: list[ObservedPod]
-    ready: int
-    updated: int
-    members_known: bool
-    desired_members: int
-    converged: bool
-
-
-def _progress(f: _Facts) -> tuple[str, str]:
-    """(reason, message) of the first thing the pool is waiting for."""
-    inp = f.inp
-    if f.still_draining or f.drains:
-        names = [p.name for p in f.still_draining] + [d.name for d in f.drains if d.mark]
-        return "Draining", f"draining {', '.join(sorted(set(names)))}"
-    if any(d.cause is Cause.STOPPED for d in f.deletions):
-        stopped = sorted(d.name for d in f.deletions if d.cause is Cause.STOPPED)
-        return "ReplacingStopped", f"replacing stopped executors {', '.join(stopped)}"
-    if f.surplus:
-        return "ScalingDown", f"{len(f.surplus)} executors above {inp.replicas} replicas to remove"
-    if f.outdated:
-        return "RollingUpdate", f"{f.updated}/{inp.replicas} executors at revision {inp.revision}"
-    if f.creations:
-        created = ", ".join(executor_pod_name(inp.pool, s) for s in f.creations)
-        return "Creating", f"creating {created}"
-    if f.ready < inp.replicas:
-        return "WaitingForExecutors", f"{f.ready}/{inp.replicas} executors ready"
-    if not f.members_known:
-        return "AdminUnavailable", f"admission admin API unavailable: {inp.admin_problem}"
-    return "Complete", f"{f.ready}/{inp.replicas} executors ready at revision {inp.revision}"
-
-
-def _conditions(f: _Facts) -> tuple[ConditionUpdate, ...]:
-    reason, message = _progress(f)
-    true, false = ConditionStatus.TRUE, ConditionStatus.FALSE
-    conditions = [
-        ConditionUpdate(
-            type=ConditionType.READY,
-            status=true if f.converged else false,
-            reason="AllExecutorsReady" if f.converged else reason,
-            message=message,
-        ),
-        ConditionUpdate(
-            type=ConditionType.PROGRESSING,
-            status=false if f.converged else true,
-            reason=reason,
-            message=message,
-        ),
-        _admission_condition(f),
-    ]
-    drain_condition = _drain_condition(f)
-    if drain_condition is not None:
-        conditions.append(drain_condition)
-    return tuple(conditions)
-
-
-def _admission_condition(f: _Facts) -> ConditionUpdate:
-    if f.inp.admission_paused:
-        return ConditionUpdate(
-            type=ConditionType.ADMISSION_SYNCED,
-            status=ConditionStatus.FALSE,
-            reason="AdmissionScaledToZero",
-            message="spec.admission.replicas is 0: no requests are admitted",
-        )
-    if not f.members_known:
-        return ConditionUpdate(
-            type=ConditionType.ADMISSION_SYNCED,
-            status=ConditionStatus.FALSE,
-            reason="AdminUnavailable",
-            message=f.inp.admin_problem,
-        )
-    return ConditionUpdate(
-        type=ConditionType.ADMISSION_SYNCED,
-        status=ConditionStatus.TRUE,
-        reason="MembershipSynced",
-        message=f"{f.desired_members} executors in the admission service's membership",
-    )
-
-
-def _drain_condition(f: _Facts) -> ConditionUpdate | None:
-    """Draining is True while an executor drains; afterwards it says how the last one ended."""
-    timeout_s = int(f.inp.drain_timeout.total_seconds())
-    draining = [
-        f"{p.name} draining since {p.draining_since.isoformat()}"
-        for p in f.still_draining
-        if p.draining_since is not None
-    ] + [f"{d.name} draining ({d.cause})" for d in f.drains if d.mark]
-    if draining:
-        return ConditionUpdate(
-            type=ConditionType.DRAINING,
-            status=ConditionStatus.TRUE,
-            reason="DrainInProgress",
-            message=f"{'; '.join(draining)} (timeout {timeout_s}s)",
-        )
-    timed_out = [d.name for d in f.deletions if d.removal is Removal.DRAIN_TIMEOUT]
-    if timed_out:
-        return ConditionUpdate(
-            type=ConditionType.DRAINING,
-            status=ConditionStatus.FALSE,
-            reason="DrainTimeout",
-            message=f"{', '.join(timed_out)} did not drain within {timeout_s}s; removed anyway",
-        )
-    drained = [d.name for d in f.deletions if d.removal is Removal.DRAINED]
-    if drained:
-        return ConditionUpdate(
-            type=ConditionType.DRAINING,
-            status=ConditionStatus.FALSE,
-            reason="Drained",
-            message=f"{', '.join(drained)} drained and removed",
-        )
-    return None

@@ -174,10 +174,11 @@ class Reconciler:
             )
         )
         await self._act(plan, raw=raw, ref=ref, spec=spec, admin=admin, now=now)
-        await self._write_status(pool, pool_status(pool, plan, revision, now))
+        status = pool_status(pool, plan, now)
+        await self._write_status(pool, status)
         if plan.converged:
             return Outcome(OutcomeKind.CONVERGED)
-        ready = next(c for c in plan.conditions if c.type is ConditionType.READY)
+        ready = next(c for c in status.conditions if c.type is ConditionType.READY)
         poll = plan.draining or membership is None
         # Pod changes arrive as events; the slower resync only guards against missed ones.
         delay_s = self._config.poll_interval_s if poll else self._config.resync_interval_s

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState, ExecutorStatus
+from kvgate.operator import report
 from kvgate.operator.observe import ObservedPod, PodPhase
 from kvgate.operator.planner import Cause, Plan, PlanInput, Removal, plan
 from kvgate.operator.status import ConditionType, Phase
@@ -82,7 +83,7 @@ def step(
 
 
 def condition(result: Plan, kind: ConditionType) -> tuple[str, str]:
-    [found] = [c for c in result.conditions if c.type is kind]
+    [found] = [c for c in report.conditions(result) if c.type is kind]
     return found.status.value, found.reason
 
 
@@ -90,7 +91,7 @@ def test_new_pool_creates_every_slot() -> None:
     result = step(3, [], [])
     assert result.creations == (0, 1, 2)
     assert (result.drains, result.deletions, result.membership) == ((), (), None)
-    assert not result.converged and result.phase is Phase.PENDING
+    assert not result.converged and report.phase(result) is Phase.PENDING
     assert condition(result, ConditionType.PROGRESSING) == ("True", "Creating")
 
 
@@ -113,7 +114,7 @@ def test_converged_pool_does_nothing() -> None:
         (),
         None,
     )
-    assert result.converged and result.phase is Phase.READY
+    assert result.converged and report.phase(result) is Phase.READY
     assert condition(result, ConditionType.READY) == ("True", "AllExecutorsReady")
     assert (result.ready_replicas, result.updated_replicas, result.live_replicas) == (2, 2, 2)
 
