@@ -305,7 +305,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 if _selector_matches(selector, item.get("metadata", {}).get("labels") or {})
             ]
         payload["metadata"]["resourceVersion"] = str(next(self._versions))
-        return payload  # type: ignore[no-any-return]
+        return payload
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
         selector = request.params.get("labelSelector")

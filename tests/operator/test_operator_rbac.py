@@ -7,21 +7,28 @@ from tests.operator.kube_emulator import Call
 from tests.operator.rbac_check import unauthorised_calls
 
 
-def call(method: str, group: str, plural: str, name: str | None = None, **extra: object) -> Call:
-    fields: dict[str, object] = {
-        "seq": 1,
-        "method": method,
-        "group": group,
-        "plural": plural,
-        "subresource": None,
-        "namespace": "default",
-        "name": name,
-        "watch": False,
-        "user_agent": "kvgate-operator",
-        "status": 200,
-    }
-    fields.update(extra)
-    return Call(**fields)  # type: ignore[arg-type]
+def call(
+    method: str,
+    group: str,
+    plural: str,
+    name: str | None = None,
+    *,
+    subresource: str | None = None,
+    watch: bool = False,
+    user_agent: str = "kvgate-operator",
+) -> Call:
+    return Call(
+        seq=1,
+        method=method,
+        group=group,
+        plural=plural,
+        subresource=subresource,
+        namespace="default",
+        name=name,
+        watch=watch,
+        user_agent=user_agent,
+        status=200,
+    )
 
 
 def test_rules_are_policy_rules_without_repeats() -> None:
