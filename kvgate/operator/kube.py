@@ -138,8 +138,13 @@ class KubeApi:
             if status == 401 and attempt == 0:
                 stale = session  # the token may have rotated: log in again, once
                 continue
-            payload: Any = json.loads(text) if text else None
+            try:
+                payload: Any = json.loads(text) if text else None
+            except ValueError:  # not JSON: e.g. a proxy's error page
+                payload = None
             if status < 400:
+                if payload is None and text:
+                    raise TransientApiError(status, "NotJson", text[:200])
                 return status, payload
             reason = payload.get("reason", "") if isinstance(payload, dict) else ""
             message = payload.get("message", text) if isinstance(payload, dict) else text

@@ -168,3 +168,16 @@ async def test_an_answer_that_breaks_the_contract_is_refused(
     api["get /v1/executors"] << {"executors": [{"name": "x"}]}
     with pytest.raises(AdminRejected, match="unexpected answer"):
         await AdminClient(session, str(api.url).rstrip("/"), "t").membership()
+
+
+async def test_a_proxy_error_page_is_a_transient_error(api: KubeEmulator) -> None:
+    api["get /api/v1/namespaces/default/pods/behind-proxy"] << 502 << b"<html>Bad Gateway</html>"
+    api["get /api/v1/namespaces/default/pods/odd"] << b"<html>not json</html>"
+    kube = _client(api, ["t"])
+    try:
+        with pytest.raises(TransientApiError, match="Bad Gateway"):
+            await kube.get(PODS, "default", "behind-proxy")
+        with pytest.raises(TransientApiError, match="NotJson"):
+            await kube.get(PODS, "default", "odd")
+    finally:
+        await kube.close()
