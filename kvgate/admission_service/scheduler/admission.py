@@ -2,8 +2,9 @@
 
 ```
 for each waiting request, in admission order, at most admission_scan_limit:
-    need ← blocks to start it (fresh: first chunk, or full capacity when not incremental;
+    need ← blocks to start it (fresh: its first chunk, or full capacity when not incremental;
            snapshot restore: its snapshot's pages; recompute restore: its first chunk)
+           [+ the rest of its fill and the fill owed to running requests: fill pricing]
            + watermark headroom when other work is active
     if it fits, or strictly-less-important running work can free enough (checked first):
         evict that work, start it
@@ -14,6 +15,12 @@ for each waiting request, in admission order, at most admission_scan_limit:
 deferred requests keep their place at the front of the waiting order
 ```
 
+With ``admission_pricing: fill`` (the default) the need also covers the rest of the request's fill
+and the fill still owed to running requests, while blocks are still claimed chunk by chunk: this
+keeps admission from stranding prompts half-way, and on the livelock suite it halved preemptions
+against ``first_chunk`` pricing at the same step count (docs/benchmarks.md). Decode growth is left
+to preemption, as in vLLM.
+
 A request cannot start in the step it was evicted in, nor while results of its last rows are in
 flight; it is deferred like any other (so its bypass protection still holds).
 """
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.admission_service.scheduler.config import RestoreMode
+from kvgate.admission_service.scheduler.config import AdmissionPricing, RestoreMode
 from kvgate.admission_service.scheduler.events import AdmissionKind
 from kvgate.admission_service.scheduler.fill import Fill
 from kvgate.admission_service.scheduler.kv import Page
@@ -43,7 +50,7 @@ class StartPlan:
     prefix: list[Page]
     fill_tokens: int
     cached_tokens: int
-    blocks: int  # how much the free count must cover (claim + growth reserved when no preemption)
+    blocks: int  # how much the free count must cover: the claim plus what it will be owed
 
 
 def plan_start(state: SchedulerState, request: Request) -> StartPlan:
@@ -55,14 +62,19 @@ def plan_start(state: SchedulerState, request: Request) -> StartPlan:
     fill_tokens = request.kv_tokens_needed
     prefix = pool.lookup_prefix(request.page_digests)
     cached_tokens = len(prefix) * pool.block_size
-    if state.config.incremental_allocation:
+    if not state.config.incremental_allocation:
+        pages = promised = state.capacity_pages(request)
+    else:
         first = cached_tokens + state.first_chunk_tokens(fill_tokens - cached_tokens)
         pages = pool.pages_for(min(fill_tokens, first))
-    else:
-        pages = state.capacity_pages(request)
+        if not state.preemption_enabled:
+            promised = state.capacity_pages(request)
+        elif state.config.admission_pricing is AdmissionPricing.FILL:
+            promised = pool.pages_for(fill_tokens)
+        else:
+            promised = pages
     blocks = pool.claim_cost(pages - len(prefix), prefix)
-    if not state.preemption_enabled:
-        blocks += (state.capacity_pages(request) - pages) * state.num_planes
+    blocks += max(0, promised - pages) * state.num_planes
     return StartPlan(kind, pages, prefix, fill_tokens, cached_tokens, blocks)
 
 
@@ -74,6 +86,7 @@ def start(state: SchedulerState, request: Request, plan: StartPlan, builder: Pla
             raise AssertionError(f"priced snapshot restore of {request.request_id} did not fit")
         builder.swap_in_pages(request.request_id, pages)
         state.host_blocks_used -= request.snapshot_pages * state.num_planes
+        builder.host_blocks_restored += request.snapshot_pages * state.num_planes
         request.snapshot_pages = 0
     else:
         pages = pool.allocate(request.request_id, plan.num_pages, plan.prefix)
@@ -147,7 +160,7 @@ def _try_start(state: SchedulerState, request: Request, builder: PlanBuilder) ->
     plan = plan_start(state, request)
     active = len(state.running)
     headroom = state.watermark_blocks if active else 0
-    short = plan.blocks + headroom + state.reserved_growth_blocks - state.pool.num_free_blocks
+    short = plan.blocks + headroom + state.owed_blocks - state.pool.num_free_blocks
     need_slot = active >= state.config.max_num_seqs
     if short > 0 or need_slot:
         victims = find_victims(

@@ -53,12 +53,16 @@ def _conservation(state: SchedulerState) -> list[str]:
         )
     if len(state.running) > state.config.max_num_seqs:
         problems.append(f"{len(state.running)} running > max_num_seqs")
-    if not state.preemption_enabled:
-        reserved = sum(state.growth_still_reserved(r) for r in state.running)
-        if reserved != state.reserved_growth_blocks:
-            problems.append(f"reserved growth {state.reserved_growth_blocks} != {reserved}")
-        if reserved > pool.num_free_blocks:
-            problems.append(f"reserved growth {reserved} > free blocks {pool.num_free_blocks}")
+    owed = 0
+    for request in state.running:
+        expected = max(0, state.owed_target_pages(request) - pool.num_pages(request.request_id))
+        if request.owed_pages != expected:
+            problems.append(f"{request.request_id} owed {request.owed_pages} pages, not {expected}")
+        owed += request.owed_pages * state.num_planes
+    if owed != state.owed_blocks:
+        problems.append(f"owed blocks {state.owed_blocks} != sum over running requests {owed}")
+    if not state.preemption_enabled and owed > pool.num_free_blocks:
+        problems.append(f"owed blocks {owed} > free blocks {pool.num_free_blocks}: growth may fail")
     return problems
 
 

@@ -33,6 +33,9 @@ class PlanBuilder:
         self.decode_depths: list[int | None] = []
         self.selected: set[str] = set()  # requests with a row in this step
         self.started: set[str] = set()  # requests admitted or restored in this step
+        # Host blocks that swap-ins of this step give back. The executor swaps out before it
+        # swaps in, so a snapshot taken in this step cannot use them yet.
+        self.host_blocks_restored = 0
         self.report = StepReport(step_id)
 
     @property

@@ -56,14 +56,17 @@ def find_victims(
     return None
 
 
-def choose_restore_mode(state: SchedulerState, victim: Request, num_pages: int) -> RestoreMode:
+def choose_restore_mode(
+    state: SchedulerState, victim: Request, num_pages: int, builder: PlanBuilder
+) -> RestoreMode:
     """``snapshot`` keeps the K/V in host memory; ``recompute`` refills it later.
 
     ``auto`` compares moving the blocks out and back with recomputing the positions (every loop
     pass of each), and snapshots only within the host budget."""
     mode = state.config.preemption
     blocks = num_pages * state.num_planes
-    fits_host = state.host_blocks_used + blocks <= state.cache.host_snapshot_blocks
+    host_at_swap_out = state.host_blocks_used + builder.host_blocks_restored
+    fits_host = host_at_swap_out + blocks <= state.cache.host_snapshot_blocks
     if mode is PreemptionMode.RECOMPUTE or not fits_host:
         return RestoreMode.RECOMPUTE
     if mode is PreemptionMode.SNAPSHOT:
@@ -81,10 +84,12 @@ def evict(
     requester: Request,
     reason: EvictionReason,
     builder: PlanBuilder,
+    mode: RestoreMode | None = None,
 ) -> None:
     """Move ``victim`` from running back to the waiting order (original arrival stamp)."""
     num_pages = state.pool.num_pages(victim.request_id)
-    mode = choose_restore_mode(state, victim, num_pages)
+    if mode is None:
+        mode = choose_restore_mode(state, victim, num_pages, builder)
     builder.report.preemptions.append(
         Preemption(
             victim_id=victim.request_id,

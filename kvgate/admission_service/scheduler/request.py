@@ -65,6 +65,9 @@ class Request:
     depth_done: int = 0  # loop passes completed for the token at the decode cursor
     # The executor holds state for this request (device tables, or a host snapshot).
     on_executor: bool = False
+    # Pages admission promised it (the rest of its fill; its whole capacity with preemption off)
+    # that it does not hold yet. Admission keeps the sum of these free for it.
+    owed_pages: int = 0
     # Rows whose results are not applied yet (async scheduling keeps at most one step in flight).
     inflight_step: int | None = None
     inflight_decode: bool = False

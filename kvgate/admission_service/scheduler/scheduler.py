@@ -337,6 +337,7 @@ class Scheduler:
             if row.completes_fill:
                 request.fill = None
                 request.depth_done = 0
+                self.state.refresh_owed(request)
 
     def _publish_prefix(self, request: Request) -> None:
         state = self.state

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgate.admission_service.scheduler.config import (
+    AdmissionPricing,
     CacheConfig,
     ModelShape,
     PreemptionMode,
@@ -28,8 +29,7 @@ class SchedulerState:
     step: int = 0
     host_blocks_used: int = 0
     next_arrival_seq: int = 0
-    # Preemption off: growth each running request may still claim (it was priced at admission).
-    reserved_growth_blocks: int = 0
+    owed_blocks: int = 0  # sum over running requests of owed_pages × planes
     pending_free: list[str] = field(default_factory=list)
     deadlines: list[tuple[float, int, str]] = field(default_factory=list)  # heap
     inflight: dict[int, StepPlan] = field(default_factory=dict)
@@ -60,29 +60,41 @@ class SchedulerState:
         budget_tokens = self.config.max_num_batched_tokens // self.prefill_cost_per_token()
         return max(1, min(fill_tokens, self.config.prefill_chunk_size, budget_tokens))
 
-    def growth_still_reserved(self, request: Request) -> int:
-        """Blocks ``request`` may still grow by (priced when preemption is off)."""
-        missing = self.capacity_pages(request) - self.pool.num_pages(request.request_id)
-        return max(0, missing) * self.num_planes
+    def owed_target_pages(self, request: Request) -> int:
+        """Pages a running request was promised at admission: its whole fill while it fills
+        under ``fill`` pricing (so admitting others never strands a prompt half-way), its whole
+        capacity when preemption is off (nothing could make room later), nothing otherwise
+        (growth is recovered by preemption)."""
+        if not self.preemption_enabled:
+            return self.capacity_pages(request)
+        if request.fill is not None and self.config.admission_pricing is AdmissionPricing.FILL:
+            return self.pool.pages_for(request.fill.length)
+        return 0
+
+    def refresh_owed(self, request: Request) -> None:
+        owed = 0
+        if request.status is RequestStatus.RUNNING:
+            held = self.pool.num_pages(request.request_id)
+            owed = max(0, self.owed_target_pages(request) - held)
+        self.owed_blocks += (owed - request.owed_pages) * self.num_planes
+        request.owed_pages = owed
 
     def grow(self, request: Request, num_pages: int) -> list[tuple[int, ...]] | None:
-        before = self.growth_still_reserved(request)
         pages = self.pool.grow(request.request_id, num_pages)
-        if pages and not self.preemption_enabled:
-            self.reserved_growth_blocks -= before - self.growth_still_reserved(request)
+        if pages:
+            self.refresh_owed(request)
         return pages
 
     def release_blocks(self, request: Request) -> int:
         """Release a running request's table; returns how many pages it held."""
-        if not self.preemption_enabled:
-            self.reserved_growth_blocks -= self.growth_still_reserved(request)
+        self.owed_blocks -= request.owed_pages * self.num_planes
+        request.owed_pages = 0
         return len(self.pool.release(request.request_id))
 
     def mark_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         self.running.add(request)
-        if not self.preemption_enabled:
-            self.reserved_growth_blocks += self.growth_still_reserved(request)
+        self.refresh_owed(request)
 
     def unresolved(self, request: Request) -> bool:
         """Its last rows are still in flight (async scheduling): their outcome is unknown."""

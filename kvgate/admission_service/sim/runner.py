@@ -133,6 +133,7 @@ class RunResult:
     leaked_snapshots: int = 0
     leaked_executor_requests: int = 0
     _audit_reported: set[str] = field(default_factory=set)
+    _violations_seen: set[str] = field(default_factory=set)
 
 
 def run_once(
@@ -235,7 +236,11 @@ def _check(scheduler: Scheduler, result: RunResult) -> None:
     try:
         scheduler.check_invariants()
     except InvariantViolation as exc:
-        result.invariant_violations.extend(exc.problems)
+        seen = result._violations_seen
+        for problem in exc.problems:
+            if problem not in seen:
+                seen.add(problem)
+                result.invariant_violations.append(problem)
     limit = scheduler.config.max_admission_bypasses
     for request_id, count in result.audited_bypasses.items():
         if count > limit and request_id not in result._audit_reported:
