@@ -122,3 +122,58 @@ def test_slot_limit_preemption_and_restore_round_trip() -> None:
     assert list(rig.finished) == ["high", "low"]
     assert rig.finished["low"].stats.preemptions == 1
     assert rig.finished["low"].stats.restore_modes[0].value == "snapshot"
+
+
+def test_evicting_the_other_holder_of_a_cached_prefix_is_priced_correctly() -> None:
+    """Regression (found by the property tests): evicting a victim that shares the requester's
+    cached prefix page makes that page evictable, which raises the requester's claim by as much
+    as it frees; counting it as freed made a priced admission fail after the eviction."""
+    from kvgate.admission_service.scheduler.config import Mode, PreemptionMode, SchedulerConfig
+    from kvgate.admission_service.sim.simulate import simulate
+    from kvgate.admission_service.sim.workload import (
+        CacheSection,
+        ExitMode,
+        ModelSection,
+        Workload,
+        WorkloadRequest,
+    )
+
+    workload = Workload(
+        model=ModelSection(loops=3, exit=ExitMode.TRACE, vocab_size=8, seed=7),
+        cache=CacheSection(num_blocks=24, block_size=4),
+        scheduler=SchedulerConfig(
+            max_num_seqs=2,
+            max_num_batched_tokens=3,
+            prefill_chunk_size=1,
+            max_admission_bypasses=0,
+            admission_scan_limit=1,
+            mode=Mode.REFILL,
+            incremental_allocation=False,
+            preemption=PreemptionMode.SNAPSHOT,
+            watermark_ratio=0.0,
+            min_residency_steps=0,
+        ),
+        requests=[
+            WorkloadRequest(
+                id="r0",
+                arrival_step=2,
+                prompt=[0] * 9,
+                max_tokens=9,
+                exit_depths=[3, 1, 1, 1, 1, 1, 1, 1, 1],
+                ignore_eos=False,
+            ),
+            WorkloadRequest(
+                id="r1", prompt=[0] * 9, max_tokens=1, priority=1, exit_depths=[3], ignore_eos=False
+            ),
+            WorkloadRequest(
+                id="r2",
+                prompt_len=7,
+                max_tokens=7,
+                exit_depths=[3, 1, 1, 1, 1, 1, 1],
+                ignore_eos=False,
+            ),
+        ],
+    )
+    report = simulate(workload)
+    assert report.passed, report.to_text()
+    assert report.preemptions >= 1

@@ -164,11 +164,18 @@ def _try_start(state: SchedulerState, request: Request, builder: PlanBuilder) ->
     need_slot = active >= state.config.max_num_seqs
     if short > 0 or need_slot:
         victims = find_victims(
-            state, request, max(0, short), need_slot, EvictionReason.ADMISSION, builder
+            state,
+            request,
+            max(0, short),
+            need_slot,
+            EvictionReason.ADMISSION,
+            builder,
+            keep=frozenset(plan.prefix),
         )
         if victims is None:
             return False
-        # Eviction only adds free blocks, so the priced plan (its prefix pages too) still holds.
+        # Victims free at least what was priced: their pages in the requester's prefix were not
+        # counted (releasing those raises the claim's cost exactly as much as the free count).
         evict_all(state, victims, request, EvictionReason.ADMISSION, builder)
     start(state, request, plan, builder)
     return True

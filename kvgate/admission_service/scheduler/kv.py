@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 Page = tuple[int, ...]  # one block id per plane
 
@@ -97,10 +97,14 @@ class BlockPool:
         evictable_prefix = sum(1 for page in prefix if self._refs[page[0]] == 1)
         return (num_new_pages + evictable_prefix) * self.num_planes
 
-    def reclaimable_blocks(self, request_id: str) -> int:
-        """How much ``num_free_blocks`` grows if ``request_id`` releases its table."""
+    def reclaimable_blocks(self, request_id: str, keep: Collection[Page] = ()) -> int:
+        """How much ``num_free_blocks`` grows if ``request_id`` releases its table, not counting
+        pages in ``keep`` (a requester's own prefix: freeing them would only make its claim of
+        them cost as much as they free)."""
         pages = 0
         for page in self._tables.get(request_id, ()):
+            if page in keep:
+                continue
             refs = self._refs[page[0]]
             if refs == 1 or (refs == 2 and page[0] in self._cached_digest):
                 pages += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvgate.admission_service.scheduler.config import PreemptionMode, RestoreMode
 from kvgate.admission_service.scheduler.events import Preemption
+from kvgate.admission_service.scheduler.kv import Page
 from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.policy import EvictionReason, may_evict
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
@@ -22,9 +23,11 @@ def find_victims(
     need_slot: bool,
     reason: EvictionReason,
     builder: PlanBuilder,
+    keep: frozenset[Page] = frozenset(),
 ) -> list[Request] | None:
     """The fewest least-important running requests whose release covers ``blocks_short`` blocks
-    (and frees a slot when ``need_slot``), or ``None`` when no such set exists."""
+    (and frees a slot when ``need_slot``), or ``None`` when no such set exists. Pages in ``keep``
+    (the requester's own cached prefix) do not count as freed."""
     if not state.preemption_enabled:
         return None
     victims: list[Request] = []
@@ -46,7 +49,7 @@ def find_victims(
             min_residency_steps=state.config.min_residency_steps,
         ):
             continue
-        reclaimable = state.pool.reclaimable_blocks(victim.request_id)
+        reclaimable = state.pool.reclaimable_blocks(victim.request_id, keep)
         if reclaimable == 0 and not short_of_slot:
             continue  # it would free nothing the requester needs
         victims.append(victim)
