@@ -177,3 +177,36 @@ def test_preemption_off_never_preempts_and_still_drains() -> None:
     rig.drain()
     assert all(e.stats.preemptions == 0 for e in rig.finished.values())
     assert len(rig.finished) == 6
+
+
+def test_refill_mode_gives_each_step_one_stage_and_alternates_when_both_wait() -> None:
+    rig = Rig(
+        num_blocks=64,
+        block_size=2,
+        mode="refill",
+        max_num_batched_tokens=4,
+        prefill_chunk_size=2,
+        max_prefill_steps_before_decode=1,
+    )
+    rig.add("decoder", prompt_len=2, max_tokens=12)
+    rig.step()  # its whole prompt fits one chunk: it decodes from now on
+    rig.add("filler", prompt_len=12, max_tokens=2)
+    kinds = []
+    for _ in range(8):
+        plan = rig.step()
+        assert plan is not None
+        has_prefill, has_decode = bool(plan.prefill_rows), bool(plan.decode.request_ids)
+        assert not (has_prefill and has_decode), "refill never mixes stages in one step"
+        kinds.append("P" if has_prefill else "D")
+    assert all(a != b for a, b in zip(kinds[:5], kinds[1:6], strict=True)), kinds
+
+
+def test_mixed_mode_puts_prefill_and_decode_rows_in_one_step() -> None:
+    rig = Rig(
+        num_blocks=64, block_size=2, mode="mixed", max_num_batched_tokens=4, prefill_chunk_size=2
+    )
+    rig.add("decoder", prompt_len=2, max_tokens=12)
+    rig.step()
+    rig.add("filler", prompt_len=12, max_tokens=2)
+    plan = rig.step()
+    assert plan is not None and plan.prefill_rows and plan.decode.request_ids

@@ -45,7 +45,7 @@ def select_rows(state: SchedulerState, builder: PlanBuilder, rooms: RoomMaker) -
     if builder.num_rows == 0:  # the due stage had nothing runnable: do not waste the step
         other = _Stage.DECODE if stage is _Stage.FILL else _Stage.FILL
         _visit(state, builder, rooms, budget, stage=other)
-    if builder.report.decode_rows:
+    if builder.decode_ids:
         state.prefill_steps_since_decode = 0
     elif builder.prefill_rows:
         state.prefill_steps_since_decode += 1
@@ -77,6 +77,11 @@ def _visit(
     stage: _Stage | None,
 ) -> int:
     """Give rows to running requests in admission order; ``stage`` None admits both kinds."""
+    pool = state.pool
+    block_size = pool.block_size
+    step = state.step
+    ids, positions, depths = builder.decode_ids, builder.decode_positions, builder.decode_depths
+    selected = builder.selected
     for request in state.running.snapshot():
         if budget <= 0:
             break
@@ -85,8 +90,24 @@ def _visit(
         if request.fill is not None and not _fill_completion_in_flight(state, request):
             if stage is not _Stage.DECODE:
                 budget = _schedule_fill(state, builder, rooms, request, budget)
-        elif stage is not _Stage.FILL:
-            budget = _schedule_decode(state, builder, rooms, request, budget)
+            continue
+        if stage is _Stage.FILL:
+            continue
+        if request.inflight_step is None:
+            # The common case, kept lean: the cursor is known and its page is already held.
+            position = request.prompt_len + len(request.output_token_ids) - 1
+            request_id = request.request_id
+            if (position + block_size) // block_size <= pool.num_pages(request_id):
+                ids.append(request_id)
+                positions.append(position)
+                depths.append(request.depth_done + 1)
+                selected.add(request_id)
+                request.inflight_step = step
+                request.inflight_decode = True
+                request.inflight_completes_fill = False
+                budget -= 1
+                continue
+        budget = _schedule_decode(state, builder, rooms, request, budget)
     return budget
 
 

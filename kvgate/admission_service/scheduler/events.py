@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvgate.admission_service.scheduler.config import RestoreMode
 from kvgate.admission_service.scheduler.policy import EvictionReason
@@ -23,10 +24,11 @@ class RequestStats:
     finished_step: int
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
+    """One sampled token (a tuple: hundreds are made per step)."""
+
     request_id: str
-    index: int  # index in the outputs
+    output_index: int
     token_id: int
     exit_depth: int
 

@@ -73,22 +73,12 @@ class PlanBuilder:
             )
         )
         self.selected.add(request_id)
-        report = self.report
-        report.rows += 1
-        report.prefill_tokens += (token_end - token_start) * (depth_last - depth_first + 1)
-        for depth in range(depth_first, depth_last + 1):
-            report.depths[depth] = report.depths.get(depth, 0) + 1
 
     def add_decode(self, request_id: str, position: int | None, depth: int | None) -> None:
         self.decode_ids.append(request_id)
         self.decode_positions.append(position)
         self.decode_depths.append(depth)
         self.selected.add(request_id)
-        report = self.report
-        report.rows += 1
-        report.decode_rows += 1
-        if depth is not None:
-            report.depths[depth] = report.depths.get(depth, 0) + 1
 
     def is_empty(self) -> bool:
         return not (

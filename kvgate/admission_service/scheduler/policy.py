@@ -29,6 +29,14 @@ def priority_class(policy: Policy, priority: int) -> int:
     return priority if policy is Policy.PRIORITY else 0
 
 
+def past_last_victim(requester: Request, victim: Request, reason: EvictionReason) -> bool:
+    """Walking running requests in victim order, whether ``victim`` and everything after it are
+    too important to evict for ``requester`` (so the walk can stop)."""
+    if reason is EvictionReason.ADMISSION:
+        return victim.priority_class <= requester.priority_class
+    return victim.key <= requester.key
+
+
 def may_evict(
     requester: Request,
     victim: Request,

@@ -11,7 +11,7 @@ from kvgate.admission_service.scheduler.config import PreemptionMode, RestoreMod
 from kvgate.admission_service.scheduler.events import Preemption
 from kvgate.admission_service.scheduler.kv import Page
 from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.policy import EvictionReason, may_evict
+from kvgate.admission_service.scheduler.policy import EvictionReason, may_evict, past_last_victim
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
 from kvgate.admission_service.scheduler.state import SchedulerState
 
@@ -37,8 +37,8 @@ def find_victims(
         short_of_slot = need_slot and not victims
         if not (short_of_blocks or short_of_slot):
             break
-        if victim.key <= requester.key:
-            break  # everything from here on is at least as important as the requester
+        if past_last_victim(requester, victim, reason):
+            break
         if victim.request_id in builder.selected or victim.request_id in builder.started:
             continue
         if not may_evict(

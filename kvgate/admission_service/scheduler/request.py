@@ -51,6 +51,7 @@ class Request:
     """
 
     spec: RequestSpec
+    request_id: str
     key: tuple[int, ...]  # admission key: smaller is more important; victims are the largest
     priority_class: int  # the part of the key that admission preemption may compare
     arrival_seq: int
@@ -58,6 +59,7 @@ class Request:
     min_loops: int
     max_loops: int
     capacity_tokens: int  # P + max_tokens - 1: the last sampled token is never fed back
+    prompt_len: int
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
@@ -91,14 +93,6 @@ class Request:
     progress_mark: int = 0  # high-water mark of positions with complete K/V (see Scheduler)
     first_admitted_step: int | None = None
     finish_reason: FinishReason | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.spec.request_id
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.spec.prompt_token_ids)
 
     @property
     def cursor_position(self) -> int:

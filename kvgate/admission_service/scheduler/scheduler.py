@@ -12,6 +12,7 @@ before the next ``schedule``.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from dataclasses import dataclass
 
 from kvgate.admission_service.scheduler import invariants
@@ -76,6 +77,7 @@ class Scheduler:
         self.last_report = StepReport(step_id=0)
         self._events: list[RequestEvent] = []
         self._finished_count = 0
+        self._progressed = False
 
     # --- requests ----------------------------------------------------------------------------
     @property
@@ -102,6 +104,7 @@ class Scheduler:
         num_loops = state.model.num_loops
         request = Request(
             spec=spec,
+            request_id=spec.request_id,
             key=admission_key(state.config.policy, spec.priority, seq),
             priority_class=priority_class(state.config.policy, spec.priority),
             arrival_seq=seq,
@@ -109,6 +112,7 @@ class Scheduler:
             min_loops=min(loops.min_loops, num_loops),
             max_loops=min(loops.max_loops or num_loops, num_loops),
             capacity_tokens=len(spec.prompt_token_ids) + spec.sampling.max_tokens - 1,
+            prompt_len=len(spec.prompt_token_ids),
             arrival_step=state.step,
         )
         if state.cache.enable_prefix_caching:
@@ -281,6 +285,15 @@ class Scheduler:
     def _report(self, builder: PlanBuilder) -> None:
         state = self.state
         report = builder.report
+        report.decode_rows = len(builder.decode_ids)
+        report.rows = report.decode_rows + len(builder.prefill_rows)
+        depths = Counter(d for d in builder.decode_depths if d is not None)
+        for row in builder.prefill_rows:
+            report.prefill_tokens += (row.token_end - row.token_start) * (
+                row.depth_last - row.depth_first + 1
+            )
+            depths.update(range(row.depth_first, row.depth_last + 1))
+        report.depths = dict(depths)
         report.blocks_free = state.pool.num_free_blocks
         report.blocks_used = state.pool.num_used_blocks
         report.num_waiting = len(state.waiting)
@@ -299,40 +312,37 @@ class Scheduler:
         plan = state.inflight.pop(oldest)
         if result.error is not None:
             raise PlanRejected(f"executor rejected step {plan.step_id}: {result.error.message}")
+        self._progressed = False
         finished_before = self._finished_count
         self._apply_prefill(plan)
-        self._apply_decode(result)
+        self._apply_decode(result, plan.step_id)
         self._apply_tokens(result)
         self._check_skipped(result)
-        progressed = self._finished_count > finished_before
-        for request_id in self._row_request_ids(plan):
-            request = state.requests.get(request_id)
-            if request is None:
-                continue
-            if request.inflight_step == plan.step_id:
-                request.inflight_step = None
-            mark = request.kv_frontier
-            if mark > request.progress_mark:
-                request.progress_mark = mark
-                progressed = True
-        # Progress means K/V beyond a request's high-water mark (or a finish): work redone after
-        # a recompute preemption does not count, so a preempt/restore cycle cannot hide a stall.
-        state.steps_without_progress = 0 if progressed else state.steps_without_progress + 1
+        # Progress means K/V beyond a request's high-water mark, a new token, or a finish: work
+        # redone after a recompute preemption does not count, so a preempt/restore cycle cannot
+        # hide a stall.
+        if self._progressed or self._finished_count > finished_before:
+            state.steps_without_progress = 0
+        else:
+            state.steps_without_progress += 1
         return self.pop_events()
-
-    @staticmethod
-    def _row_request_ids(plan: StepPlan) -> set[str]:
-        ids = {row.request_id for row in plan.prefill_rows}
-        ids.update(plan.decode.request_ids)
-        return ids
 
     def _apply_prefill(self, plan: StepPlan) -> None:
         requests = self.state.requests
         for row in plan.prefill_rows:
             request = requests.get(row.request_id)
-            if request is None or request.fill is None:
-                continue  # finished, aborted, or its fill was dropped by a recompute preemption
-            request.fill.complete(row.token_start, row.depth_last)
+            if request is None:
+                continue
+            if request.inflight_step == plan.step_id:
+                request.inflight_step = None
+            fill = request.fill
+            if fill is None:
+                continue  # its fill was dropped by a recompute preemption
+            fill.complete(row.token_start, row.depth_last)
+            frontier = fill.full_depth_frontier()
+            if frontier > request.progress_mark:
+                request.progress_mark = frontier
+                self._progressed = True
             self._publish_prefix(request)
             if row.completes_fill:
                 request.fill = None
@@ -349,56 +359,55 @@ class Scheduler:
             state.pool.publish(request.request_id, request.page_digests, ready)
             request.published_pages = min(ready, len(request.page_digests))
 
-    def _apply_decode(self, result: StepResult) -> None:
+    def _apply_decode(self, result: StepResult, step_id: int) -> None:
         requests = self.state.requests
         decode = result.decode
         for request_id, position, depth, exited in zip(
             decode.request_ids, decode.positions, decode.depths, decode.exited, strict=True
         ):
             request = requests.get(request_id)
-            if request is None or request.fill is not None:
+            if request is None:
                 continue
-            if request.restore_mode is not None and not request.on_executor:
-                continue  # recompute preemption: the unfinished token restarts anyway
-            if position != request.cursor_position or depth != request.depth_done + 1:
+            if request.inflight_step == step_id:
+                request.inflight_step = None
+            if request.fill is not None or (
+                request.restore_mode is not None and not request.on_executor
+            ):
+                continue  # a recompute preemption dropped it: the unfinished token restarts
+            expected = request.prompt_len + len(request.output_token_ids) - 1
+            if position != expected or depth != request.depth_done + 1:
                 raise PlanRejected(
                     f"{request_id}: executor ran ({position}, {depth}), scheduler expected "
-                    f"({request.cursor_position}, {request.depth_done + 1})"
+                    f"({expected}, {request.depth_done + 1})"
                 )
             request.depth_done = 0 if exited else depth
 
     def _apply_tokens(self, result: StepResult) -> None:
         requests = self.state.requests
+        eos = self.state.model.eos_token_id
+        events = self._events
         for token in result.tokens:
             request = requests.get(token.request_id)
             if request is None:
                 continue
-            expected = request.prompt_len + len(request.output_token_ids)
-            if token.position != expected:
+            outputs = request.output_token_ids
+            if token.position != request.prompt_len + len(outputs):
                 raise PlanRejected(
-                    f"{token.request_id}: token at position {token.position}, expected {expected}"
+                    f"{token.request_id}: token at position {token.position}, expected "
+                    f"{request.prompt_len + len(outputs)}"
                 )
-            request.output_token_ids.append(token.token_id)
+            outputs.append(token.token_id)
             request.exit_depths.append(token.exit_depth)
-            self._events.append(
-                TokenEvent(
-                    request.request_id,
-                    len(request.output_token_ids) - 1,
-                    token.token_id,
-                    token.exit_depth,
-                )
+            events.append(
+                TokenEvent(token.request_id, len(outputs) - 1, token.token_id, token.exit_depth)
             )
-            reason = self._finish_reason(request, token.token_id)
-            if reason is not None:
-                self._finish(request, reason)
-
-    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        eos = self.state.model.eos_token_id
-        if eos is not None and token_id == eos and not request.spec.sampling.ignore_eos:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= request.spec.sampling.max_tokens:
-            return FinishReason.LENGTH
-        return None
+            request.progress_mark = max(request.progress_mark, token.position)
+            self._progressed = True
+            sampling = request.spec.sampling
+            if eos is not None and token.token_id == eos and not sampling.ignore_eos:
+                self._finish(request, FinishReason.STOP)
+            elif len(outputs) >= sampling.max_tokens:
+                self._finish(request, FinishReason.LENGTH)
 
     def _check_skipped(self, result: StepResult) -> None:
         for request_id in result.skipped_request_ids:
