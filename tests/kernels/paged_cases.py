@@ -141,9 +141,9 @@ def dense_causal_attention(batch: PagedBatch) -> torch.Tensor:  # float64 like t
         if seq_len == 0 or q_len == 0:
             continue
         group = num_q_heads // batch.dense_keys[r].shape[1]
-        k = batch.dense_keys[r].double().repeat_interleave(group, dim=1).transpose(0, 1)
-        v = batch.dense_values[r].double().repeat_interleave(group, dim=1).transpose(0, 1)
-        q = batch.query[q_begin:q_end].double().transpose(0, 1)  # [heads, q_len, d]
+        k = batch.dense_keys[r].cpu().double().repeat_interleave(group, dim=1).transpose(0, 1)
+        v = batch.dense_values[r].cpu().double().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = batch.query[q_begin:q_end].cpu().double().transpose(0, 1)  # [heads, q_len, d]
         scores = q @ k.transpose(1, 2) * batch.softmax_scale  # [heads, q_len, seq_len]
         # Bottom-right causal: query i may see key j iff j <= i + (seq_len - q_len).
         mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - q_len)
