@@ -71,9 +71,12 @@ def assert_matches_reference(
 )
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_mixed_batch_matches_reference(
-    attention: AttentionFn, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
+    attention: AttentionFn,
+    dtype: torch.dtype,
+    num_q_heads: int,
+    num_kv_heads: int,
     block_size: int,
-) -> None:  # fmt: skip
+) -> None:
     """GQA ratios 1, 2, 4 and 8 over every row kind of ``MIXED_ROWS``."""
     batch = build_batch(
         MIXED_ROWS,
@@ -116,8 +119,9 @@ def test_large_logits_stay_finite(attention: AttentionFn) -> None:
     |s| * 2**-24 absolute, and the softmax turns that into a relative weight error: at
     |s| ~ 250 about 1.5e-5 per score, a few 1e-5 on the output.
     """
-    batch = build_batch([Row(1, 40), Row(9, 30)], num_q_heads=4, num_kv_heads=2, head_dim=64,
-                        block_size=8)  # fmt: skip
+    batch = build_batch(
+        [Row(1, 40), Row(9, 30)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8
+    )
     batch = replace(batch, softmax_scale=30.0)
     out = attention(*batch.args(), batch.softmax_scale)
     assert batch.softmax_scale * batch.query.abs().amax() ** 2 > 100  # logits are large
@@ -139,8 +143,9 @@ def test_strided_query_and_given_out(attention: AttentionFn) -> None:
 
 
 def test_empty_batch(attention: AttentionFn) -> None:
-    batch = build_batch([Row(0, 0), Row(0, 5)], num_q_heads=2, num_kv_heads=1, head_dim=64,
-                        block_size=4)  # fmt: skip
+    batch = build_batch(
+        [Row(0, 0), Row(0, 5)], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=4
+    )
     out = attention(*batch.args(), batch.softmax_scale)
     assert out.shape == (0, 2, 64)
 
@@ -150,13 +155,11 @@ def test_empty_batch(attention: AttentionFn) -> None:
 def test_split_kv_merge(interpreted_triton: None, num_splits: int, dtype: torch.dtype) -> None:
     """Flash-decoding splits, including splits that get no position (8 splits, <= 4 tiles)."""
     rows = [Row(1, 50), Row(1, 3), Row(0, 0), Row(3, 0), Row(4, 26)]
-    batch = build_batch(rows, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
-                        dtype=dtype)  # fmt: skip
+    batch = build_batch(rows, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=8, dtype=dtype)
     config = triton_attention.AttentionConfig(
         block_m=16, tile_n=16, num_splits=num_splits, num_warps=4, num_stages=1
     )
-    out = triton_attention.paged_attention_triton(*batch.args(), batch.softmax_scale,
-                                                  config=config)  # fmt: skip
+    out = triton_attention.paged_attention_triton(*batch.args(), batch.softmax_scale, config=config)
     assert_matches_reference(batch, out)
 
 
@@ -167,8 +170,7 @@ def test_query_tiles_span_rows(interpreted_triton: None) -> None:
     config = triton_attention.AttentionConfig(
         block_m=32, tile_n=32, num_splits=1, num_warps=4, num_stages=1
     )
-    out = triton_attention.paged_attention_triton(*batch.args(), batch.softmax_scale,
-                                                  config=config)  # fmt: skip
+    out = triton_attention.paged_attention_triton(*batch.args(), batch.softmax_scale, config=config)
     assert_matches_reference(batch, out)
 
 
