@@ -1,7 +1,7 @@
 """Paged attention throughput against dense attention on the same data, measured in one run.
 
     python benchmarks/bench_kernels.py            # GPU if there is one, else the CPU torch path
-    python benchmarks/bench_kernels.py --sweep    # also try alternative launch configs (GPU)
+    python benchmarks/bench_kernels.py --sweep    # plus alternative launch configs on a few cases
 
 For each case the K/V live in a paged cache (block_size 16, shuffled blocks, the executor's 5-D
 layout viewed per layer) and the same values are laid out contiguously for the baselines:
@@ -266,6 +266,16 @@ def peak_bandwidth(device: torch.device, override_gbs: float | None) -> float | 
     return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
 
 
+# Representative cases for --sweep (each config compiles once: minutes for the whole sweep).
+SWEEP_CASES = {
+    Case("prefill", 1, 512, 4096, 32, 8),
+    Case("prefill", 8, 512, 0, 8, 2),
+    Case("decode", 32, 1, 4095, 32, 8),
+    Case("decode", 128, 1, 16383, 32, 8),
+    Case("decode", 1, 1, 32767, 32, 8),
+}
+
+
 def sweep_configs(case: Case) -> list[AttentionConfig]:
     from kvgate.kernels.triton_attention import AttentionConfig
 
@@ -297,18 +307,22 @@ def run_case(
     ours_ms = time_ms(ours, device)
     sdpa_ms = time_ms(sdpa, device)
     flops, moved = case.flops(), case.bytes_moved(inp.query.element_size())
-    line = (
-        f"| {case.label():<38} | {ours_ms:8.3f} | {flops / ours_ms / 1e9:7.1f} | "
-        f"{moved / ours_ms / 1e6:7.0f} | "
-        f"{'-' if peak is None else f'{100 * moved / ours_ms / 1e-3 / peak:5.1f}%'} | "
-        f"{sdpa_ms:8.3f} {sdpa_name:<18} | {sdpa_ms / ours_ms:5.2f}x |"
-    )
+    cells = [
+        case.label(),
+        f"{ours_ms:.3f}",
+        f"{flops / ours_ms / 1e9:.3g}",
+        f"{moved / ours_ms / 1e6:.4g}",
+        "-" if peak is None else f"{100 * moved / (ours_ms * 1e-3) / peak:.1f}%",
+        f"{sdpa_ms:.3f} {sdpa_name}",
+        f"{sdpa_ms / ours_ms:.2f}x",
+    ]
     flash = flash_fn(case, inp) if device.type == "cuda" else None
     if flash is not None:
         flash_ms = time_ms(flash, device)
-        line += f" {flash_ms:8.3f} | {flash_ms / ours_ms:5.2f}x |"
+        cells += [f"{flash_ms:.3f}", f"{flash_ms / ours_ms:.2f}x"]
+    line = "| " + " | ".join(cells) + " |"
     print(line, flush=True)
-    if sweep and device.type == "cuda":
+    if sweep and device.type == "cuda" and case in SWEEP_CASES:
         results = []
         for config in sweep_configs(case):
             try:
@@ -327,7 +341,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--sweep", action="store_true", help="try alternative configs (GPU)")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time alternative configs on SWEEP_CASES (GPU)"
+    )
     parser.add_argument("--only", choices=["prefill", "decode"], help="run one kind of case")
     parser.add_argument("--peak-gbs", type=float, help="peak HBM bandwidth in GB/s")
     args = parser.parse_args()
@@ -337,6 +353,7 @@ def main() -> int:
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}; kvgate Triton kernels; {args.dtype}")
         cases = gpu_cases()
+        assert SWEEP_CASES.issubset(cases), "every sweep case must be a benchmarked case"
     else:
         dtype = torch.float32  # CPU matmuls in 16-bit are emulated and meaningless here
         print(
@@ -349,12 +366,10 @@ def main() -> int:
         f"torch {torch.__version__}; peak HBM bandwidth: "
         f"{'unknown' if peak is None else f'{peak / 1e9:.0f} GB/s'}"
     )
-    header = (
-        "| case                                   | ours ms  | TFLOP/s |  GB/s   | %peak  |"
-        " baseline ms                 | ratio |"
-    )
+    columns = ["case", "ours ms", "TFLOP/s", "GB/s", "% peak BW", "baseline ms", "ratio"]
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        header += " flash ms | ratio |"
+        columns += ["flash-attn ms", "ratio"]
+    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
     print(header, flush=True)
     for case in cases:
         if args.only is None or case.kind == args.only:
