@@ -289,6 +289,12 @@ def paged_attention_triton(  # noqa: PLR0917 - mirrors paged_attention
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} exceeds the kernel's maximum of {MAX_HEAD_DIM}")
+    if query.device.type == "cpu" and query.dtype == torch.bfloat16:
+        # Measured: the interpreter's bf16 dot products are off by orders of magnitude.
+        raise ValueError(
+            "the Triton interpreter computes bfloat16 attention wrongly: run bf16 on CUDA, or on "
+            "CPU without TRITON_INTERPRET (the torch path)"
+        )
     if query.device.type == "cpu":  # interpreted: reading the metadata costs nothing here
         check_attention_metadata(
             block_tables, query_start_loc, seq_lens, num_tokens, num_blocks, block_size

@@ -166,6 +166,15 @@ def test_triton_rejects_oversized_head_dim(interpreted_triton: None) -> None:
         kernels.paged_attention(*batch.args(), batch.softmax_scale)
 
 
+def test_interpreter_refuses_bf16_attention(interpreted_triton: None) -> None:
+    """Its bf16 dot products are wrong by orders of magnitude: an error beats a wrong answer."""
+    batch = build_batch(
+        [Row(1, 5)], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=4, dtype=torch.bfloat16
+    )
+    with pytest.raises(ValueError, match="interpreter computes bfloat16 attention wrongly"):
+        kernels.paged_attention(*batch.args(), batch.softmax_scale)
+
+
 def test_triton_rejects_bad_config(interpreted_triton: None) -> None:
     batch = small_batch()
     config = triton_attention.AttentionConfig(24, 16, 1, 4, 1)
