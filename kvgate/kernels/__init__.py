@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-def paged_attention(  # noqa: PLR0917 - the executor's call signature
+def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)

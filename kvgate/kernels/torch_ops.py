@@ -64,7 +64,7 @@ def _attend(
     )
 
 
-def paged_attention_torch(  # noqa: PLR0917 - mirrors paged_attention
+def paged_attention_torch(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     value_cache: torch.Tensor,

@@ -66,7 +66,7 @@ def _find_row(
 
 
 @triton.jit
-def _paged_attention_kernel(  # noqa: PLR0917 - kernels take positional arguments
+def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided)
@@ -221,7 +221,7 @@ def _paged_attention_kernel(  # noqa: PLR0917 - kernels take positional argument
 
 
 @triton.jit
-def _merge_splits_kernel(  # noqa: PLR0917 - kernels take positional arguments
+def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     split_out_ptr,  # float32 [num_splits, num_tokens, num_q_heads, HEAD_DIM_PAD]
     split_lse_ptr,  # float32 [num_splits, num_tokens, num_q_heads]
@@ -270,7 +270,7 @@ def _merge_splits_kernel(  # noqa: PLR0917 - kernels take positional arguments
     )
 
 
-def paged_attention_triton(  # noqa: PLR0917 - mirrors paged_attention
+def paged_attention_triton(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     value_cache: torch.Tensor,
