@@ -121,9 +121,12 @@ def test_a_port_held_by_another_broker_is_an_error_not_a_false_start() -> None:
         second = EmbeddedBroker(EmbeddedBrokerSettings(port=first.port, ready_timeout_s=5))
         # The first broker answers metadata with the very address the second advertises;
         # only the ownership check tells them apart.
-        with pytest.raises(EmbeddedBrokerError, match=r"exited|another process"):
-            second.start()
-        assert second.pid is None
+        try:
+            with pytest.raises(EmbeddedBrokerError, match=r"exited|another process"):
+                second.start()
+            assert second.pid is None  # the failed child was ended, not left running
+        finally:
+            second.stop()  # a no-op unless start() wrongly succeeded
         assert first.pid is not None and _alive(first.pid)
 
 

@@ -49,6 +49,7 @@ from tests.harness.system import (
     is_root,
     log_progress,
     log_tail,
+    remove_tree,
     wait_until,
 )
 
@@ -168,7 +169,7 @@ def dockerd_argv(dockerd: str, paths: EnginePaths, driver: StorageDriver) -> lis
     ]
 
 
-def _running_managed_pid(paths: EnginePaths) -> int | None:
+def running_managed_pid(paths: EnginePaths) -> int | None:
     """The PID of the harness's dockerd for these paths, if that process is alive."""
     try:
         pid = int(paths.pidfile.read_text().strip())
@@ -188,7 +189,7 @@ def find_running_engine(paths: EnginePaths) -> DockerEngine | None:
     configured = os.environ.get("DOCKER_HOST")
     if configured:
         if engine_answers(configured):
-            managed = configured == paths.host and _running_managed_pid(paths) is not None
+            managed = configured == paths.host and running_managed_pid(paths) is not None
             return DockerEngine(host=configured, managed=managed)
         raise HarnessError(
             f"DOCKER_HOST={configured} does not answer; start that engine or unset DOCKER_HOST "
@@ -198,7 +199,7 @@ def find_running_engine(paths: EnginePaths) -> DockerEngine | None:
     if SYSTEM_SOCKET.exists() and engine_answers(system_host):
         return DockerEngine(host=system_host, managed=False)
     if paths.socket.exists() and engine_answers(paths.host):
-        return DockerEngine(host=paths.host, managed=_running_managed_pid(paths) is not None)
+        return DockerEngine(host=paths.host, managed=running_managed_pid(paths) is not None)
     return None
 
 
@@ -292,12 +293,12 @@ def _is_zombie(pid: int) -> bool:
 
 def stop_managed_engine(paths: EnginePaths) -> bool:
     """Stop the harness's dockerd for these paths if it runs; True if one was stopped."""
-    pid = _running_managed_pid(paths)
+    pid = running_managed_pid(paths)
     if pid is None:
         return False
     _stop_pid(pid)
-    paths.pidfile.unlink(missing_ok=True)
-    paths.socket.unlink(missing_ok=True)
+    # Runtime state only (socket, pidfile, exec root); images stay in the data root.
+    remove_tree(paths.run_dir)
     return True
 
 

@@ -23,6 +23,7 @@ import os
 import re
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import docker
@@ -32,6 +33,7 @@ from docker.models.containers import Container
 from tests.harness.kafka_client import wait_for_broker
 from tests.harness.kafka_image import KafkaImage
 from tests.harness.system import HarnessError, free_port
+from tests.harness.tls import TlsMaterial, properties_value
 
 LISTEN_HOST = "127.0.0.1"
 DATA_MOUNT = "/var/lib/kafka"
@@ -63,6 +65,11 @@ class KafkaBroker(Protocol):
         """Whether pause/unpause/restart work (only for the harness's own container)."""
         ...
 
+    @property
+    def tls(self) -> TlsEndpoint | None:
+        """The TLS listener, where the broker has one."""
+        ...
+
     def pause(self) -> None: ...
 
     def unpause(self) -> None: ...
@@ -75,37 +82,75 @@ class KafkaBroker(Protocol):
 
 
 @dataclass(frozen=True)
+class TlsEndpoint:
+    """The broker's TLS listener: dial ``bootstrap`` trusting ``ca_file`` (hostname checked)."""
+
+    bootstrap: str
+    ca_file: Path
+
+
+@dataclass(frozen=True)
 class BrokerPorts:
     kafka: int
     controller: int
+    tls: int | None = None
 
     @classmethod
-    def pick(cls) -> BrokerPorts:
-        kafka = free_port(LISTEN_HOST)
-        controller = free_port(LISTEN_HOST)
-        while controller == kafka:
-            controller = free_port(LISTEN_HOST)
-        return cls(kafka=kafka, controller=controller)
+    def pick(cls, *, with_tls: bool = False) -> BrokerPorts:
+        ports: list[int] = []
+        while len(ports) < (3 if with_tls else 2):
+            port = free_port(LISTEN_HOST)
+            if port not in ports:
+                ports.append(port)
+        return cls(kafka=ports[0], controller=ports[1], tls=ports[2] if with_tls else None)
 
 
-def server_properties(ports: BrokerPorts, log_dir: str = f"{DATA_MOUNT}/data") -> str:
+def _listeners(ports: BrokerPorts, tls: TlsMaterial | None) -> dict[str, str]:
+    if (ports.tls is None) != (tls is None):
+        raise ValueError("a TLS listener needs both a TLS port and TLS material")
+    listeners = {"PLAINTEXT": ports.kafka, "CONTROLLER": ports.controller}
+    advertised = {"PLAINTEXT": ports.kafka}
+    settings: dict[str, str] = {}
+    if tls is not None and ports.tls is not None:
+        listeners["SSL"] = advertised["SSL"] = ports.tls
+        settings = {
+            "listener.name.ssl.ssl.keystore.type": "PEM",
+            "listener.name.ssl.ssl.keystore.certificate.chain": properties_value(
+                tls.certificate_pem
+            ),
+            "listener.name.ssl.ssl.keystore.key": properties_value(tls.private_key_pem),
+        }
+    return {
+        "listeners": ",".join(f"{name}://{LISTEN_HOST}:{p}" for name, p in listeners.items()),
+        "advertised.listeners": ",".join(
+            f"{name}://{LISTEN_HOST}:{p}" for name, p in advertised.items()
+        ),
+        # Listener name -> security protocol; only the SSL listener encrypts.
+        "listener.security.protocol.map": ",".join(
+            f"{name}:{'SSL' if name == 'SSL' else 'PLAINTEXT'}" for name in listeners
+        ),
+        **settings,
+    }
+
+
+def server_properties(
+    ports: BrokerPorts, tls: TlsMaterial | None = None, log_dir: str = f"{DATA_MOUNT}/data"
+) -> str:
     """Single-node KRaft (combined broker and controller) bound to and advertising 127.0.0.1.
 
-    Replication factors and min ISR are 1 for every internal topic, and group joins and
-    transactions are tuned for tests: no initial rebalance delay, one offsets partition, and a
-    short broker session so a hard restart is ready in seconds.
+    Listeners: PLAINTEXT for clients, CONTROLLER for KRaft, and SSL (server certificate only,
+    no client authentication) when ``tls`` is given. Replication factors and min ISR are 1 for
+    every internal topic, and group joins and transactions are tuned for tests: no initial
+    rebalance delay, one offsets partition, and a short broker session so a hard restart is
+    ready in seconds.
     """
     settings = {
         "process.roles": "broker,controller",
         "node.id": "1",
         "controller.quorum.bootstrap.servers": f"{LISTEN_HOST}:{ports.controller}",
-        "listeners": (
-            f"PLAINTEXT://{LISTEN_HOST}:{ports.kafka},CONTROLLER://{LISTEN_HOST}:{ports.controller}"
-        ),
-        "advertised.listeners": f"PLAINTEXT://{LISTEN_HOST}:{ports.kafka}",
+        **_listeners(ports, tls),
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
         "log.dirs": log_dir,
         "num.partitions": "1",
         "default.replication.factor": "1",
@@ -167,10 +212,13 @@ def reap_orphans(client: docker.DockerClient) -> list[str]:
 class ContainerKafka:
     """The harness's own broker container; see the module docstring for its guarantees."""
 
-    def __init__(self, container: Container, ports: BrokerPorts, volume: str) -> None:
+    def __init__(
+        self, container: Container, ports: BrokerPorts, volume: str, ca_file: Path | None
+    ) -> None:
         self._container = container
         self.ports = ports
         self.volume = volume
+        self._ca_file = ca_file
 
     @property
     def bootstrap(self) -> str:
@@ -181,19 +229,33 @@ class ContainerKafka:
         return True
 
     @property
+    def tls(self) -> TlsEndpoint | None:
+        if self.ports.tls is None or self._ca_file is None:
+            return None
+        return TlsEndpoint(f"{LISTEN_HOST}:{self.ports.tls}", self._ca_file)
+
+    @property
     def name(self) -> str:
         return str(self._container.name)
 
     @classmethod
     def start(
-        cls, engine_host: str, image: KafkaImage, *, name_prefix: str = "kvgate-kafka"
+        cls,
+        engine_host: str,
+        image: KafkaImage,
+        *,
+        tls: TlsMaterial | None = None,
+        name_prefix: str = "kvgate-kafka",
     ) -> ContainerKafka:
-        """Start a broker from ``image`` on a fresh volume and wait until it answers."""
+        """Start a broker from ``image`` on a fresh volume and wait until it answers.
+
+        With ``tls``, the broker also has a TLS listener serving that certificate.
+        """
         configure_testcontainers()
         from testcontainers.core.container import DockerContainer
 
         name = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        ports = BrokerPorts.pick()
+        ports = BrokerPorts.pick(with_tls=tls is not None)
         owner = _process_identity(os.getpid())
         assert owner is not None  # this process is alive
         spec = (
@@ -204,11 +266,12 @@ class ContainerKafka:
                 network_mode="host",
                 labels={OWNER_LABEL: owner, ROLE_LABEL: "kafka"},
             )
-            .with_env("KAFKA_SERVER_PROPERTIES", server_properties(ports))
+            .with_env("KAFKA_SERVER_PROPERTIES", server_properties(ports, tls))
             .with_volume_mapping(f"{name}-data", DATA_MOUNT, "rw")
         )
         spec.start()
-        broker = cls(spec.get_wrapped_container(), ports, volume=f"{name}-data")
+        ca_file = None if tls is None else tls.ca_file
+        broker = cls(spec.get_wrapped_container(), ports, f"{name}-data", ca_file)
         try:
             broker.wait_ready()
         except BaseException:
@@ -305,6 +368,10 @@ class ExternalKafka:
     @property
     def controllable(self) -> bool:
         return False
+
+    @property
+    def tls(self) -> TlsEndpoint | None:
+        return None
 
     def _unavailable(self, action: str) -> FaultInjectionUnavailable:
         return FaultInjectionUnavailable(

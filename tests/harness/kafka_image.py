@@ -37,6 +37,7 @@ from tests.harness.system import (
     file_lock,
     is_root,
     log_progress,
+    remove_tree,
     run_logged,
 )
 
@@ -203,7 +204,7 @@ def _build_rootfs_tarball(tarball: Path, cache: Path, progress: Progress) -> Non
     log_path = cache / "logs" / "debootstrap.log"
     debootstrap = ensure_command("debootstrap", "debootstrap", cache / "logs" / "apt.log", progress)
     rootfs = cache / "kafka" / "rootfs-build"
-    _remove_rootfs(rootfs)
+    remove_tree(rootfs)
     progress(
         f"debootstrap {DEBIAN_SUITE} (minbase + {', '.join(JAVA_PACKAGES)}), "
         f"about a minute or two (log: {log_path})"
@@ -236,26 +237,7 @@ def _build_rootfs_tarball(tarball: Path, cache: Path, progress: Progress) -> Non
         )
         partial.rename(tarball)
     finally:
-        _remove_rootfs(rootfs)
-
-
-def _mounts_under(directory: Path) -> list[str]:
-    prefix = str(directory.resolve()) + "/"
-    with open("/proc/self/mounts") as mounts:
-        points = [line.split()[1] for line in mounts]
-    return [point for point in points if point.startswith(prefix) or point + "/" == prefix]
-
-
-def _remove_rootfs(rootfs: Path) -> None:
-    """Delete a debootstrap tree, but never through a mount a failed debootstrap left in it."""
-    if not rootfs.exists():
-        return
-    for point in sorted(_mounts_under(rootfs), reverse=True):
-        run_logged(["umount", "-l", point], rootfs.parent / "umount.log", timeout_s=60)
-    remaining = _mounts_under(rootfs)
-    if remaining:
-        raise HarnessError(f"refusing to delete {rootfs}: still mounted: {remaining}")
-    shutil.rmtree(rootfs)
+        remove_tree(rootfs)
 
 
 def _build_kafka_image(

@@ -178,6 +178,30 @@ def ensure_command(command: str, package: str, log_path: Path, progress: Progres
     return found
 
 
+def _mounts_under(directory: Path) -> list[str]:
+    prefix = str(directory.resolve())
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    return [point for point in points if point == prefix or point.startswith(prefix + "/")]
+
+
+def remove_tree(directory: Path) -> None:
+    """``rm -rf`` that never deletes through a mount point left inside ``directory``.
+
+    A failed debootstrap can leave /proc or /sys mounted in its target, and a dockerd killed
+    hard can leave mounts in its exec root; ``shutil.rmtree`` would descend into them.
+    Mounts are lazily unmounted first; if any remains, nothing is deleted.
+    """
+    if not directory.exists():
+        return
+    for point in sorted(_mounts_under(directory), reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    remaining = _mounts_under(directory)
+    if remaining:
+        raise HarnessError(f"refusing to delete {directory}: still mounted: {remaining}")
+    shutil.rmtree(directory)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on right now (the kernel's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -27,6 +27,7 @@ from tests.harness.kafka_client import (
 from tests.harness.kafka_client import unique_topic_name as _unique_topic_name
 from tests.harness.kafka_image import ensure_kafka_image
 from tests.harness.system import Progress, cache_root, log_progress
+from tests.harness.tls import self_signed_certificate
 
 EXTERNAL_BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
 _LOG_TAIL_CHARS = 8000
@@ -77,9 +78,15 @@ def harness_docker_engine(pytestconfig: pytest.Config) -> Iterator[DockerEngine]
 
 @pytest.fixture(scope="session")
 def kafka_broker(
-    request: pytest.FixtureRequest, pytestconfig: pytest.Config
+    request: pytest.FixtureRequest,
+    pytestconfig: pytest.Config,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[KafkaBroker]:
-    """One Kafka broker for the whole session; its ``bootstrap`` is always 127.0.0.1:<port>."""
+    """One Kafka broker for the whole session; its ``bootstrap`` is always 127.0.0.1:<port>.
+
+    The harness's broker also has a TLS listener (``kafka_broker.tls``) with a certificate
+    made for this session; an external broker has none.
+    """
     external = _external_bootstrap()
     if external is not None:
         broker = ExternalKafka(external)
@@ -95,7 +102,8 @@ def kafka_broker(
         image = ensure_kafka_image(client, cache_root(), progress)
     finally:
         client.close()
-    container = ContainerKafka.start(engine.host, image)
+    tls = self_signed_certificate(tmp_path_factory.mktemp("kafka-tls"), progress)
+    container = ContainerKafka.start(engine.host, image, tls=tls)
     try:
         yield container
     finally:

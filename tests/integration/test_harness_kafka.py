@@ -15,12 +15,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
+from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import ConsumerRecord
 
 from tests.harness.kafka import ContainerKafka, KafkaBroker
 from tests.harness.kafka_client import TopicFactory, run_async
 
-pytestmark = [pytest.mark.kafka, pytest.mark.docker, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.kafka, pytest.mark.docker, pytest.mark.timeout(180, func_only=True)]
 
 UniqueName = Callable[[str], str]
 
@@ -219,3 +220,33 @@ def test_topic_factory_creates_distinct_ready_topics(
     assert first != second
     # Ready means every partition already has a leader (the single broker, node 1).
     assert run_async(lambda: leaders_of(first)) == {0: 1, 1: 1, 2: 1}
+
+
+async def test_tls_listener_serves_clients_that_verify_the_broker(
+    kafka_broker: KafkaBroker, kafka_topic: str
+) -> None:
+    if kafka_broker.tls is None:
+        pytest.skip("the broker has no TLS listener (KAFKA_BOOTSTRAP points at an external one)")
+    endpoint = kafka_broker.tls
+    producer = AIOKafkaProducer(
+        bootstrap_servers=endpoint.bootstrap,
+        security_protocol="SSL",
+        ssl_context=create_ssl_context(cafile=str(endpoint.ca_file)),
+    )
+    await producer.start()
+    try:
+        sent = await producer.send_and_wait(kafka_topic, b"over tls")
+    finally:
+        await producer.stop()
+    assert sent.offset == 0
+
+    # A client that does not trust the session's certificate must not get through.
+    untrusting = AIOKafkaProducer(
+        bootstrap_servers=endpoint.bootstrap,
+        security_protocol="SSL",
+        ssl_context=create_ssl_context(),
+        request_timeout_ms=3000,
+    )
+    with pytest.raises(KafkaError):
+        await untrusting.start()
+    await untrusting.stop()
