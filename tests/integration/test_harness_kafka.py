@@ -21,7 +21,8 @@ from aiokafka.structs import ConsumerRecord
 from tests.harness.kafka import ContainerKafka, KafkaBroker
 from tests.harness.kafka_client import TopicFactory, run_async
 
-pytestmark = [pytest.mark.kafka, pytest.mark.docker, pytest.mark.timeout(180, func_only=True)]
+# `docker` is added by the conftest unless KAFKA_BOOTSTRAP names an external broker.
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180, func_only=True)]
 
 UniqueName = Callable[[str], str]
 
