@@ -246,6 +246,13 @@ def start_dockerd(paths: EnginePaths, progress: Progress) -> DockerEngine:
             "no Docker engine answers (DOCKER_HOST, /var/run/docker.sock) and starting one "
             "needs root; start Docker, or set KAFKA_BOOTSTRAP to use an external broker"
         )
+    stuck = running_managed_pid(paths)
+    if stuck is not None:
+        # Never start a second dockerd on the same data root: that corrupts it.
+        raise HarnessError(
+            f"the harness's dockerd (pid {stuck}) runs but does not answer at {paths.socket}; "
+            f"see {paths.log}, then stop it (python -m tests.harness clean)"
+        )
     dockerd = ensure_command("dockerd", "docker.io", paths.state_dir / "apt.log", progress)
     for directory in (paths.state_dir, paths.data_root, paths.run_dir, paths.exec_root):
         directory.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import builtins
 import os
 import shutil
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,26 @@ def test_explicit_docker_host_that_does_not_answer_is_an_error(
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/nothing-here.sock")
     with pytest.raises(HarnessError, match=r"DOCKER_HOST=.* does not answer"):
         docker_engine.find_running_engine(EnginePaths.for_cache(tmp_path))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the harness starts dockerd only as root")
+def test_a_hung_harness_dockerd_is_never_joined_by_a_second_one(tmp_path: Path) -> None:
+    paths = EnginePaths.for_cache(tmp_path)
+    # Stands in for a dockerd that has our data root but no longer answers.
+    hung = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", f"--data-root={paths.data_root}"]
+    )
+    try:
+        paths.run_dir.mkdir(parents=True)
+        paths.pidfile.write_text(f"{hung.pid}\n")
+        assert docker_engine.running_managed_pid(paths) == hung.pid
+        with pytest.raises(HarnessError, match=rf"dockerd \(pid {hung.pid}\) runs but does not"):
+            docker_engine.start_dockerd(paths, progress=lambda _: None)
+        assert hung.poll() is None  # reported, not killed behind the user's back
+    finally:
+        hung.kill()
+        hung.wait()
+        shutil.rmtree(paths.run_dir, ignore_errors=True)
 
 
 def test_last_session_out_is_detected_by_the_users_lock(tmp_path: Path) -> None:
