@@ -350,6 +350,7 @@ class StepRunner:
         state, row = fill.state, fill.row
         if state.fill_start is None:
             state.fill_start = row.token_start
+            state.frontier = [row.token_start] * state.num_loops
         for depth in range(row.depth_first, row.depth_last + 1):
             state.frontier[depth - 1] = row.token_end
         if row.depth_first > 1:
