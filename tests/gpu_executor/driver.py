@@ -63,7 +63,9 @@ class _Request:
 
 
 class Driver:
-    def __init__(self, executor: Executor, requests: list[tuple[api.NewRequest, int]], cfg: DriverConfig):
+    def __init__(
+        self, executor: Executor, requests: list[tuple[api.NewRequest, int]], cfg: DriverConfig
+    ):
         self.ex = executor
         self.cfg = cfg
         self.info = executor.info
@@ -114,7 +116,9 @@ class Driver:
         taken, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
         return taken
 
-    def _ensure_pages(self, req: _Request, num_positions: int, appends: list[api.BlockAppend]) -> None:
+    def _ensure_pages(
+        self, req: _Request, num_positions: int, appends: list[api.BlockAppend]
+    ) -> None:
         have = len(req.tables[0])
         need = -(-num_positions // self.bs)
         if need > have:

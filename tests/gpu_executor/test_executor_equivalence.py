@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kvgate.gpu_executor import api
-from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.executor import Executor
+from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.loader import LoadedModel
 from tests.gpu_executor.driver import Driver, DriverConfig
 from tests.gpu_executor.workloads import mixed_requests, reference_outputs
