@@ -39,7 +39,7 @@ class TinyModelSpec(BaseModel):
     family: ModelFamily = ModelFamily.LLAMA
     model_type: Literal["llama", "qwen2", "mistral"] = "llama"  # llama family only
     num_loops: Annotated[int, Field(ge=1, le=16)] = 1
-    vocab_size: Annotated[int, Field(ge=8)] = 128
+    vocab_size: Annotated[int, Field(ge=8)] = 272  # 256 bytes, <|bos|>, <|eos|>, padding
     hidden_size: Annotated[int, Field(ge=8)] = 64
     intermediate_size: Annotated[int, Field(ge=8)] | None = None
     num_layers: Annotated[int, Field(ge=1)] = 2
