@@ -41,14 +41,12 @@ def _exporter(env: Mapping[str, str]) -> SpanExporter | None:
     return OTLPSpanExporter()  # reads the OTEL_EXPORTER_OTLP_* variables itself
 
 
-def configure_tracing(
+def build_tracer_provider(
     service_name: str, env: Mapping[str, str] | None = None
 ) -> TracerProvider | None:
-    """Install the global tracer provider for this process; returns it (None when disabled).
+    """The tracer provider the ``OTEL_*`` variables in ``env`` describe (None when disabled).
 
-    Call it once, from an entry point, before creating tracers. ``service_name`` is the default
-    that ``OTEL_SERVICE_NAME`` overrides. The caller shuts the provider down on exit so batched
-    spans are flushed.
+    ``service_name`` is the default that ``OTEL_SERVICE_NAME`` overrides.
     """
     environ = os.environ if env is None else env
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -58,5 +56,16 @@ def configure_tracing(
     exporter = _exporter(environ)
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    return provider
+
+
+def configure_tracing(service_name: str) -> TracerProvider | None:
+    """Install the process-wide tracer provider from the environment; returns it.
+
+    Call it once, from an entry point, before creating tracers; shut the provider down on exit
+    so batched spans are flushed.
+    """
+    provider = build_tracer_provider(service_name)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
     return provider
