@@ -49,10 +49,22 @@ class _Shadow:
     cursor: tuple[int, int] | None  # (position, depth) of the next decode pass
     finished: bool
     fill_completed: bool = False
-    block_ids: set[int] = field(default_factory=set)
+    tables: list[list[int]] = field(default_factory=list)  # the request's tables before the plan
+    _block_ids: set[int] | None = None
+
+    @property
+    def block_ids(self) -> set[int]:
+        """Every block id in the request's tables (computed only when a plan adds blocks)."""
+        if self._block_ids is None:
+            self._block_ids = {b for table in self.tables for b in table}
+        return self._block_ids
+
+    @block_ids.setter
+    def block_ids(self, ids: set[int]) -> None:
+        self._block_ids = ids
 
     @classmethod
-    def of(cls, state: RequestState, pages: int, block_ids: set[int]) -> _Shadow:
+    def of(cls, state: RequestState, pages: int) -> _Shadow:
         cursor = state.cursor
         return cls(
             fill_len=state.fill_len,
@@ -63,7 +75,7 @@ class _Shadow:
             wavefront={k: v.token_end for k, v in state.wavefront.items()},
             cursor=None if cursor is None else (cursor.position, cursor.depth),
             finished=state.finished,
-            block_ids=block_ids,
+            tables=state.block_tables,
         )
 
 
@@ -100,8 +112,7 @@ class PlanValidator:
         """The resident request's shadow, created on first use."""
         if rid not in self.resident:
             state = self._states[rid]
-            ids = {b for table in state.block_tables for b in table}
-            self.resident[rid] = _Shadow.of(state, state.num_pages, ids)
+            self.resident[rid] = _Shadow.of(state, state.num_pages)
         return self.resident[rid]
 
     def _is_resident(self, rid: str) -> bool:
@@ -200,7 +211,7 @@ class PlanValidator:
         snapshot = self.swapped.pop(rid)
         if snapshot is not None:
             pages = snapshot.num_pages
-            self.resident[rid] = _Shadow.of(snapshot.state, pages, set())
+            self.resident[rid] = _Shadow.of(snapshot.state, pages)
         shadow = self.resident[rid]
         pages = shadow.pages
         if any(len(t) != pages for t in tables):
