@@ -29,15 +29,18 @@ def _gather_context(
     tables: torch.Tensor,  # int64 [n, max_blocks_per_row]
     lengths: torch.Tensor,  # int64 [n]
     max_len: int,
-) -> torch.Tensor:  # float32 [n, max_len, num_kv_heads, head_dim]; positions >= length are junk
+) -> torch.Tensor:  # float32 [n, max_len, num_kv_heads, head_dim]; zero past each length
     block_size = cache.shape[1]
     positions = torch.arange(max_len)
     block_index = positions // block_size  # [max_len]
     block_ids = tables[:, block_index]  # [n, max_len]
-    # Entries past a row's context may hold anything; point them at block 0 and mask later.
-    block_ids = torch.where(positions[None, :] < lengths[:, None], block_ids, 0)
+    in_context = positions[None, :] < lengths[:, None]  # [n, max_len]
+    # Table entries past a row's context may hold anything: read block 0 there instead, then
+    # zero those positions, since a masked score times a NaN from unwritten memory is NaN.
+    block_ids = torch.where(in_context, block_ids, 0)
     offsets = (positions % block_size).expand_as(block_ids)
-    return cache[block_ids, offsets].to(torch.float32)
+    gathered = cache[block_ids, offsets].to(torch.float32)
+    return gathered.masked_fill_(~in_context[:, :, None, None], 0.0)
 
 
 def _attend(
