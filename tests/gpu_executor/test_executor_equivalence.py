@@ -6,6 +6,7 @@ placeholder rows, snapshot swap-out/in and recompute restores in the middle of d
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
@@ -110,3 +111,69 @@ def test_exit_trace_forces_depths(looped: LoadedModel) -> None:
     outputs, depths = driver.run()["traced"]
     assert depths == trace
     assert (outputs, depths) == reference_outputs(looped, [(request, 1)])["traced"]
+
+
+def test_fill_after_a_shared_cached_prefix(family_model: LoadedModel) -> None:
+    """A fill may start after a block-aligned prefix whose K/V sits in blocks another request
+    owns (prefix caching): the second request reads them, never writes them."""
+    loops = family_model.model.num_loops
+    prefix = [11, 12, 13, 14, 15, 16, 17, 18]  # two 4-token blocks
+    first = api.NewRequest(request_id="first", prompt_token_ids=[*prefix, 3, 4])
+    second = api.NewRequest(
+        request_id="second",
+        prompt_token_ids=[*prefix, 9, 9, 9],
+        sampling=api.SamplingParams(max_tokens=5),
+    )
+    ex = _executor(family_model)
+    tables_first = [[10 * d + i for i in range(3)] for d in range(loops)]
+    shared = [table[:2] for table in tables_first]
+    tables_second = [[*table, 100 + d, 110 + d] for d, table in enumerate(shared)]
+
+    def fill(request: api.NewRequest, tables: list[list[int]], start: int, step: int) -> None:
+        plan = api.StepPlan(
+            step_id=step,
+            new_requests=[request],
+            block_appends=[api.BlockAppend(request_id=request.request_id, new_block_ids=tables)],
+            prefill_rows=[
+                api.PrefillRow(
+                    request_id=request.request_id,
+                    token_start=start,
+                    token_end=len(request.prompt_token_ids),
+                    depth_first=1,
+                    depth_last=loops,
+                    completes_fill=True,
+                )
+            ],
+        )
+        assert ex.execute(plan).error is None
+
+    fill(first, tables_first, 0, 1)
+    shared_keys = ex.cache.keys[[b for t in shared for b in t]].clone()
+    fill(second, tables_second, len(prefix), 2)
+    assert torch.equal(ex.cache.keys[[b for t in shared for b in t]], shared_keys)
+    assert ex.blocks_used == 5 * loops  # the shared pages count once
+    tokens = [ex._requests["second"].outputs[0]]
+    depths = [ex._requests["second"].exit_depths[0]]
+    step = 3
+    while len(tokens) < 5:
+        decode = api.DecodeRows(request_ids=["second"], positions=[None], depths=[None])
+        result = ex.execute(api.StepPlan(step_id=step, decode=decode))
+        assert result.error is None
+        tokens += [t.token_id for t in result.tokens]
+        depths += [t.exit_depth for t in result.tokens]
+        step += 1
+    assert (tokens, depths) == reference_outputs(family_model, [(second, 1)])["second"]
+
+
+def test_a_fill_cannot_start_inside_a_block(llama: LoadedModel) -> None:
+    request = api.NewRequest(request_id="r", prompt_token_ids=list(range(1, 10)))
+    plan = api.StepPlan(
+        step_id=1,
+        new_requests=[request],
+        block_appends=[api.BlockAppend(request_id="r", new_block_ids=[[0, 1, 2]])],
+        prefill_rows=[
+            api.PrefillRow(request_id="r", token_start=6, token_end=9, depth_first=1, depth_last=1)
+        ],
+    )
+    result = _executor(llama).execute(plan)
+    assert result.error is not None and "block boundary" in result.error.message
