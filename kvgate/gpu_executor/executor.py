@@ -19,6 +19,7 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 
 from kvgate import kernels
 from kvgate.gpu_executor import api
+from kvgate.gpu_executor.calibration import measure_costs, profile_forward
 from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.kv_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -27,9 +28,9 @@ from kvgate.gpu_executor.kv_cache import (
 )
 from kvgate.gpu_executor.loader import DType, LoadedModel, load_model
 from kvgate.gpu_executor.model import Model
-from kvgate.gpu_executor.reference import dense_causal_attention
 from kvgate.gpu_executor.requests import RequestState, Snapshot
-from kvgate.gpu_executor.runner import RowOutcomes, StepRunner
+from kvgate.gpu_executor.runner import StepRunner
+from kvgate.gpu_executor.step_span import kv_attributes, plan_attributes, result_attributes
 from kvgate.gpu_executor.validate import Geometry, PlanError, PlanValidator
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import context_from_traceparent, span_context_from_traceparent
@@ -72,7 +73,7 @@ class Executor:
                 dtype=self.model.dtype,
                 device=self.model.device,
                 memory_fraction=memory_fraction,
-                profile=lambda: self._profile_forward(profile_tokens),
+                profile=lambda: profile_forward(self.model, profile_tokens),
             )
         self.cache = KVCache(
             config,
@@ -143,7 +144,7 @@ class Executor:
             attr.STEP_SPAN,
             context=context_from_traceparent(plan.traceparent),
             links=self._links(plan) if error is None else [],
-            attributes=self._plan_attributes(plan),
+            attributes=plan_attributes(plan, self.info),
         ) as span:
             if error is None:
                 try:
@@ -203,7 +204,16 @@ class Executor:
             ),
             counters=self.counters,
         )
-        self._result_attributes(span, plan, result, outcome)
+        span.set_attributes(
+            result_attributes(result, outcome.token_passes_per_depth)
+            | kv_attributes(
+                blocks_total=self.info.num_blocks,
+                blocks_used=self.blocks_used,
+                host_blocks_used=self._host_blocks,
+                snapshots=len(self._snapshots),
+                requests=len(self._requests) + len(self._snapshots),
+            )
+        )
         return result
 
     def _release_blocks(self, state: RequestState) -> None:
@@ -269,87 +279,18 @@ class Executor:
                 links.append(Link(context))
         return links
 
-    def _plan_attributes(self, plan: api.StepPlan) -> dict[str, int | str]:
-        return {
-            attr.STEP_ID: plan.step_id,
-            attr.EXECUTOR_ID: self.info.executor_id,
-            attr.STEP_ROWS: plan.num_rows,
-            attr.STEP_PREFILL_ROWS: len(plan.prefill_rows),
-            attr.STEP_DECODE_ROWS: len(plan.decode.request_ids),
-            attr.STEP_PREFILL_TOKENS: sum(row.num_tokens for row in plan.prefill_rows),
-            attr.STEP_NEW_REQUESTS: len(plan.new_requests),
-            attr.STEP_RECOMPUTES: sum(1 for r in plan.new_requests if r.output_token_ids),
-            attr.STEP_FREES: len(plan.free),
-            attr.STEP_SWAP_OUTS: len(plan.swap_out),
-            attr.STEP_SWAP_INS: len(plan.swap_in),
-            attr.KV_BLOCKS_TOTAL: self.info.num_blocks,
-        }
-
-    def _result_attributes(
-        self, span: Span, plan: api.StepPlan, result: api.StepResult, outcome: RowOutcomes
-    ) -> None:
-        passes = outcome.token_passes_per_depth
-        span.set_attributes(
-            {
-                attr.STEP_DECODE_TOKENS: len(result.decode.request_ids),
-                attr.STEP_SKIPPED_ROWS: len(result.skipped_request_ids),
-                attr.STEP_SAMPLED_TOKENS: len(result.tokens),
-                attr.STEP_EXITED_ROWS: sum(result.decode.exited),
-                attr.STEP_DEPTH_TOKEN_PASSES: passes,
-                attr.STEP_MAX_DEPTH: max((d + 1 for d, n in enumerate(passes) if n), default=0),
-                attr.STEP_EXECUTE_S: result.timings.execute_s,
-                attr.STEP_KERNEL_S: outcome.kernel_s,
-                attr.KV_BLOCKS_USED: self.blocks_used,
-                attr.KV_BLOCKS_FREE: self.info.num_blocks - self.blocks_used,
-                attr.KV_HOST_BLOCKS_USED: self._host_blocks,
-                attr.KV_SNAPSHOTS: len(self._snapshots),
-                attr.KV_REQUESTS: len(self._requests) + len(self._snapshots),
-            }
-        )
-
     # ----------------------------------------------------------------------- calibration
 
-    @torch.inference_mode()
-    def _profile_forward(self, num_tokens: int) -> None:
-        """The largest forward a step runs: ``num_tokens`` positions, every loop, plus logits."""
-        model = self.model
-        tokens = torch.arange(num_tokens, device=model.device) % model.config.vocab_size
-        positions = torch.arange(num_tokens, device=model.device)
-
-        def attention(
-            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-        ) -> torch.Tensor:
-            return dense_causal_attention(q, k, v, positions, model.softmax_scale)
-
-        hidden = model.embed(tokens)
-        for _ in range(model.num_loops):
-            hidden = model.core_pass(hidden, positions, num_tokens - 1, attention)
-        model.logits(hidden[-256:])
-
-    def calibrate(self, num_tokens: int = 256, num_blocks: int = 32) -> api.ExecutorInfo:
-        """Measure the restore-cost figures the scheduler's ``auto`` mode weighs, on an idle
-        executor: host bandwidth (a swap-out and swap-in of ``num_blocks`` blocks) and the time
-        of one core pass per prefill token. Updates and returns ``info``."""
+    def calibrate(self) -> api.ExecutorInfo:
+        """Measure the restore-cost figures the scheduler's ``auto`` mode weighs (host bandwidth,
+        prefill time per token and pass) on an idle executor; updates and returns ``info``."""
         if self._requests or self._snapshots:
             raise RuntimeError("calibrate an idle executor (it borrows KV blocks)")
-        ids = torch.arange(min(num_blocks, self.cache.num_blocks), dtype=torch.int64)
-        began = time.perf_counter()
-        keys, values = kernels.gather_blocks(self.cache.keys, self.cache.values, ids)
-        kernels.scatter_blocks(self.cache.keys, self.cache.values, ids, keys, values)
-        _synchronize(self.model.device)
-        moved = 2 * self.cache.bytes_per_block * len(ids)
-        bandwidth = moved / max(time.perf_counter() - began, 1e-9)
-        tokens = min(num_tokens, self.model.config.max_model_len)
-        self._profile_forward(tokens)  # warm-up
-        _synchronize(self.model.device)
-        began = time.perf_counter()
-        self._profile_forward(tokens)
-        _synchronize(self.model.device)
-        per_token_pass = (time.perf_counter() - began) / (tokens * self.model.num_loops)
+        costs = measure_costs(self.model, self.cache)
         self.info = self.info.model_copy(
             update={
-                "host_bandwidth_bytes_per_s": bandwidth,
-                "prefill_token_pass_s": max(per_token_pass, 1e-12),
+                "host_bandwidth_bytes_per_s": costs.host_bandwidth_bytes_per_s,
+                "prefill_token_pass_s": costs.prefill_token_pass_s,
             }
         )
         return self.info
@@ -361,8 +302,3 @@ def _move_hidden(state: RequestState, device: torch.device) -> None:
         state.cursor.hidden = state.cursor.hidden.to(device)
     for pending in state.wavefront.values():
         pending.hidden = pending.hidden.to(device)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

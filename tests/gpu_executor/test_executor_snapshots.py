@@ -3,6 +3,7 @@ swap-in restores them bit-exactly into different blocks, even between two loop p
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvgate.gpu_executor import api
@@ -136,3 +137,15 @@ def test_reset_forgets_everything(looped: LoadedModel) -> None:
     assert ex.counters == api.ExecutorCounters() and ex.blocks_used == 0
     # The same ids can be registered again after a reset.
     assert ex.execute(plan.model_copy(update={"step_id": 3})).error is None
+
+
+def test_calibration_reports_restore_cost_figures(looped: LoadedModel) -> None:
+    ex = Executor(looped, num_blocks=40, block_size=4, host_snapshot_blocks=9)
+    assert ex.info.host_bandwidth_bytes_per_s is None and ex.info.prefill_token_pass_s is None
+    info = ex.calibrate()
+    assert info.host_bandwidth_bytes_per_s is not None and info.host_bandwidth_bytes_per_s > 0
+    assert info.prefill_token_pass_s is not None and 0 < info.prefill_token_pass_s < 1.0
+    assert ex.info == info
+    ex.execute(api.StepPlan(step_id=1, new_requests=[REQUEST]))
+    with pytest.raises(RuntimeError, match="idle"):
+        ex.calibrate()
