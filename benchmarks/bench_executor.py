@@ -48,12 +48,6 @@ CHUNK = 64
 BLOCK_SIZE = 16
 
 
-@dataclass
-class Figures:
-    tokens_per_s: float
-    kernel_share: float | None = None
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -76,73 +70,68 @@ def _timed(step: Callable[[], int], steps: int, warmup: int, device: torch.devic
 # ------------------------------------------------------------------------------- paged
 
 
-class PagedRun:
-    """Drives an Executor with hand-made plans: ``batch`` decoding requests (+ a prefill feeder)."""
+def _fill_row(rid: str, start: int, end: int, *, completes: bool) -> api.PrefillRow:
+    return api.PrefillRow(
+        request_id=rid, token_start=start, token_end=end, depth_first=1, depth_last=1,
+        completes_fill=completes,
+    )  # fmt: skip
 
-    def __init__(self, executor: Executor, batch: int, total_steps: int, mixed: bool):
+
+class PagedRun:
+    """Drives an Executor with hand-made plans: decoding requests, plus a prefill feeder whose
+    long prompt supplies one chunk per mixed step."""
+
+    def __init__(self, executor: Executor, batch: int, total_steps: int, *, mixed: bool):
         self.ex = executor
         self.step_id = 0
         self.kernel_s = 0.0
         self.execute_s = 0.0
         self.decoders = [f"d{i}" for i in range(batch - 1 if mixed else batch)]
         self.mixed = mixed
-        pages = -(-(PROMPT_LEN + total_steps + 2) // BLOCK_SIZE)
-        feeder_len = CHUNK * (total_steps + 1)
-        next_block = iter(range(executor.info.num_blocks))
-        requests, appends, rows = [], [], []
+        self.feeder_pos = 0
+        self._free_blocks = iter(range(executor.info.num_blocks))
         vocab = executor.info.vocab_size
+        requests, appends, rows = [], [], []
         for rid in self.decoders:
             prompt = [(7 * i + len(rid)) % vocab for i in range(PROMPT_LEN)]
             sampling = api.SamplingParams(max_tokens=total_steps + 2, ignore_eos=True)
             requests.append(
                 api.NewRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
             )
-            appends.append(
-                api.BlockAppend(
-                    request_id=rid, new_block_ids=[[next(next_block) for _ in range(pages)]]
-                )
-            )
-            rows.append(api.PrefillRow(request_id=rid, token_start=0, token_end=PROMPT_LEN,
-                                       depth_first=1, depth_last=1, completes_fill=True))  # fmt: skip
+            appends.append(self._pages(rid, PROMPT_LEN + total_steps + 2))
+            rows.append(_fill_row(rid, 0, PROMPT_LEN, completes=True))
         if mixed:
-            feeder = [(3 * i) % vocab for i in range(feeder_len)]
-            requests.append(api.NewRequest(request_id="feeder", prompt_token_ids=feeder,
-                                           sampling=api.SamplingParams(max_tokens=1)))  # fmt: skip
-            feeder_pages = -(-feeder_len // BLOCK_SIZE)
-            appends.append(
-                api.BlockAppend(
-                    request_id="feeder",
-                    new_block_ids=[[next(next_block) for _ in range(feeder_pages)]],
-                )
-            )
-        self._run(
-            api.StepPlan(
-                step_id=self._next(),
-                new_requests=requests,
-                block_appends=appends,
-                prefill_rows=rows,
-            )
+            feeder = [(3 * i) % vocab for i in range(CHUNK * (total_steps + 1))]
+            requests.append(api.NewRequest(request_id="feeder", prompt_token_ids=feeder))
+            appends.append(self._pages("feeder", len(feeder)))
+        plan = api.StepPlan(
+            step_id=self._next(), new_requests=requests, block_appends=appends, prefill_rows=rows
         )
-        self.feeder_pos = 0
+        self._run(plan)
+        self.kernel_s = self.execute_s = 0.0  # count the measured steps only
+
+    def _pages(self, rid: str, positions: int) -> api.BlockAppend:
+        count = -(-positions // BLOCK_SIZE)
+        return api.BlockAppend(
+            request_id=rid, new_block_ids=[[next(self._free_blocks) for _ in range(count)]]
+        )
 
     def _next(self) -> int:
         self.step_id += 1
         return self.step_id
 
-    def _run(self, plan: api.StepPlan) -> api.StepResult:
+    def _run(self, plan: api.StepPlan) -> None:
         result = self.ex.execute(plan)
         if result.error is not None:
             raise RuntimeError(f"benchmark plan rejected: {result.error}")
         self.kernel_s += result.timings.kernel_s or 0.0
         self.execute_s += result.timings.execute_s
-        return result
 
     def step(self) -> int:
         n = len(self.decoders)
         rows = []
         if self.mixed:
-            rows = [api.PrefillRow(request_id="feeder", token_start=self.feeder_pos,
-                                   token_end=self.feeder_pos + CHUNK, depth_first=1, depth_last=1)]  # fmt: skip
+            rows = [_fill_row("feeder", self.feeder_pos, self.feeder_pos + CHUNK, completes=False)]
             self.feeder_pos += CHUNK
         decode = api.DecodeRows(request_ids=self.decoders, positions=[None] * n, depths=[None] * n)
         self._run(api.StepPlan(step_id=self._next(), prefill_rows=rows, decode=decode))
@@ -152,82 +141,85 @@ class PagedRun:
 # ------------------------------------------------------------------------------- dense
 
 
-class DenseRun:
-    """The unpaged baseline: contiguous ``[B, capacity, Hkv, D]`` K/V per layer, SDPA, argmax."""
+@dataclass
+class _Contiguous:
+    """Per-layer K/V ``[B, capacity, Hkv, D]`` of sequences that all hold ``length`` positions."""
 
-    def __init__(self, model: Model, batch: int, total_steps: int, mixed: bool):
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, model: Model, batch: int, capacity: int) -> _Contiguous:
         cfg = model.config
+        shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(shape, dtype=model.dtype, device=model.device)
+
+        return cls(
+            [zeros() for _ in range(cfg.num_layers)], [zeros() for _ in range(cfg.num_layers)]
+        )
+
+
+class DenseRun:
+    """The unpaged baseline: contiguous K/V, ``scaled_dot_product_attention``, argmax."""
+
+    def __init__(self, model: Model, batch: int, total_steps: int, *, mixed: bool):
         self.model = model
         self.mixed = mixed
         self.batch = batch - 1 if mixed else batch
-        capacity = PROMPT_LEN + total_steps + 2
-        shape = (max(self.batch, 1), capacity, cfg.num_kv_heads, cfg.head_dim)
-        self.keys = [
-            torch.zeros(shape, dtype=model.dtype, device=model.device)
-            for _ in range(cfg.num_layers)
-        ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        feeder_cap = CHUNK * (total_steps + 1)
-        fshape = (1, feeder_cap, cfg.num_kv_heads, cfg.head_dim)
-        self.feeder_keys = [
-            torch.zeros(fshape, dtype=model.dtype, device=model.device)
-            for _ in range(cfg.num_layers)
-        ]
-        self.feeder_values = [torch.zeros_like(k) for k in self.feeder_keys]
-        self.length = 0
-        self.feeder_length = 0
+        self.decoding = _Contiguous.allocate(
+            model, max(self.batch, 1), PROMPT_LEN + total_steps + 2
+        )
+        self.feeding = _Contiguous.allocate(model, 1, CHUNK * (total_steps + 1))
         self.tokens = torch.zeros(self.batch, dtype=torch.int64, device=model.device)
         if self.batch:
-            prompt = (
-                torch.arange(PROMPT_LEN, device=model.device).repeat(self.batch) % cfg.vocab_size
-            )
-            self._forward(prompt.view(self.batch, PROMPT_LEN), self.keys, self.values, 0)
-            self.length = PROMPT_LEN
+            prompt = torch.arange(PROMPT_LEN, device=model.device) % model.config.vocab_size
+            self._forward(prompt.repeat(self.batch, 1), self.decoding)
 
     @torch.inference_mode()
-    def _forward(
-        self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], start: int
-    ) -> torch.Tensor:
-        """``tokens [B, n]`` at positions start..start+n-1 of every sequence -> logits of the last."""
+    def _forward(self, tokens: torch.Tensor, kv: _Contiguous) -> torch.Tensor:
+        """``tokens [B, n]`` appended to every sequence of ``kv`` -> logits of the last ones."""
         model = self.model
         b, n = tokens.shape
+        start = kv.length
         positions = torch.arange(start, start + n, device=model.device).repeat(b)
-        group = model.config.num_heads // model.config.num_kv_heads
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=model.device).tril(start)
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
-            keys[layer][:b, start : start + n] = k.view(b, n, *k.shape[1:])
-            values[layer][:b, start : start + n] = v.view(b, n, *v.shape[1:])
-            kk = keys[layer][:b, : start + n].transpose(1, 2).repeat_interleave(group, dim=1)
-            vv = values[layer][:b, : start + n].transpose(1, 2).repeat_interleave(group, dim=1)
-            qq = q.view(b, n, *q.shape[1:]).transpose(1, 2)
-            mask = None
-            if n > 1:
-                mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
+            kv.keys[layer][:b, start : start + n] = k.view(b, n, *k.shape[1:])
+            kv.values[layer][:b, start : start + n] = v.view(b, n, *v.shape[1:])
             out = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=mask, scale=model.softmax_scale
+                q.view(b, n, *q.shape[1:]).transpose(1, 2),
+                kv.keys[layer][:b, : start + n].transpose(1, 2),
+                kv.values[layer][:b, : start + n].transpose(1, 2),
+                attn_mask=mask,
+                scale=model.softmax_scale,
+                enable_gqa=True,
             )
             return out.transpose(1, 2).reshape(b * n, *q.shape[1:])
 
         hidden = model.core_pass(
             model.embed(tokens.reshape(-1)), positions, start + n - 1, attention
         )
+        kv.length += n
         return model.logits(hidden.view(b, n, -1)[:, -1])
 
     def step(self) -> int:
         produced = 0
         if self.batch:
-            logits = self._forward(self.tokens[:, None], self.keys, self.values, self.length)
-            self.tokens = logits.argmax(dim=-1)
-            self.length += 1
+            self.tokens = self._forward(self.tokens[:, None], self.decoding).argmax(dim=-1)
             produced += self.batch
         if self.mixed:
             chunk = (
                 torch.arange(CHUNK, device=self.model.device)[None] % self.model.config.vocab_size
             )
-            self._forward(chunk, self.feeder_keys, self.feeder_values, self.feeder_length)
-            self.feeder_length += CHUNK
+            self._forward(chunk, self.feeding)
             produced += CHUNK
         return produced
 
@@ -236,34 +228,32 @@ class DenseRun:
 
 
 def measure(
-    model_dir: Path, device: str, dtype: DType, batches: list[int], steps: int, warmup: int
-) -> list[str]:
+    model_dir: Path, *, device: str, dtype: DType, batches: list[int], steps: int, warmup: int
+) -> None:
     loaded = load_model(model_dir, device=device, dtype=dtype)
     torch_device = loaded.model.device
     total = warmup + 3 * steps
-    lines = ["| step kind | batch | paged tok/s | dense tok/s | paged/dense | kernel share |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    print("| step kind | batch | paged tok/s | dense tok/s | paged/dense | kernel share |")
+    print("|---|---|---|---|---|---|")
     for mixed in (False, True):
         for batch in batches:
-            pages_needed = (
-                batch * (-(-(PROMPT_LEN + total + 2) // BLOCK_SIZE))
-                + (total + 2) * CHUNK // BLOCK_SIZE
-                + 2
+            per_request = -(-(PROMPT_LEN + total + 2) // BLOCK_SIZE)
+            feeder = -(-(CHUNK * (total + 1)) // BLOCK_SIZE)
+            executor = Executor(
+                loaded, num_blocks=batch * per_request + feeder, block_size=BLOCK_SIZE
             )
-            executor = Executor(loaded, num_blocks=pages_needed, block_size=BLOCK_SIZE)
-            paged = PagedRun(executor, batch, total, mixed)
+            paged = PagedRun(executor, batch, total, mixed=mixed)
             paged_rate = _timed(paged.step, steps, warmup, torch_device)
-            share = paged.kernel_s / paged.execute_s if paged.execute_s else float("nan")
-            dense = DenseRun(loaded.model, batch, total, mixed)
+            share = paged.kernel_s / paged.execute_s
+            dense = DenseRun(loaded.model, batch, total, mixed=mixed)
             dense_rate = _timed(dense.step, steps, warmup, torch_device)
             kind = "mixed" if mixed else "decode"
-            lines.append(
+            print(
                 f"| {kind} | {batch} | {paged_rate:,.0f} | {dense_rate:,.0f} | "
-                f"{paged_rate / dense_rate:.2f} | {share:.0%} |"
+                f"{paged_rate / dense_rate:.2f} | {share:.0%} |",
+                flush=True,
             )
-            print(lines[-1], flush=True)
             del executor, paged, dense
-    return lines
 
 
 def main() -> None:
@@ -275,24 +265,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    timing = {"steps": args.steps, "warmup": args.warmup}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.gpu_only:
-            print(
-                f"# CPU, small model (4 layers, hidden 512, 8 heads), fp32, {torch.get_num_threads()} threads"
-            )
-            print(
-                f"# prompt {PROMPT_LEN} tokens, mixed steps carry one {CHUNK}-token prefill chunk"
-            )
+            print(f"# CPU: 4 layers, hidden 512, 8 heads, fp32, {torch.get_num_threads()} threads;")
+            print(f"# prompts of {PROMPT_LEN} tokens; a mixed step adds one {CHUNK}-token chunk")
             make_tiny_model(Path(tmp) / "small", SMALL)
-            measure(Path(tmp) / "small", "cpu", DType.FLOAT32, [1, 8, 32], args.steps, args.warmup)
+            small = Path(tmp) / "small"
+            measure(small, device="cpu", dtype=DType.FLOAT32, batches=[1, 8, 32], **timing)
         if torch.cuda.is_available():
-            print(
-                f"# GPU {torch.cuda.get_device_name()}, 1B-class model (16 layers, hidden 2048, 32/8 heads), bf16"
-            )
+            print(f"# GPU {torch.cuda.get_device_name()}: 16 layers, hidden 2048, 32/8 heads, bf16")
             make_tiny_model(Path(tmp) / "1b", ONE_B)
-            measure(
-                Path(tmp) / "1b", "cuda", DType.BFLOAT16, [1, 8, 32, 128], args.steps, args.warmup
-            )
+            big = Path(tmp) / "1b"
+            measure(big, device="cuda", dtype=DType.BFLOAT16, batches=[1, 8, 32, 128], **timing)
         else:
             print("# no CUDA device: GPU figures not measured")
 
