@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter, ValidationError
 
@@ -115,8 +115,12 @@ class ExecutorServer:
             self._loaded.set()
 
     async def _close_session(self, _app: web.Application) -> None:
-        if self._session is not None:
-            await self._fence(self._session, "the executor is shutting down")
+        """On shutdown: stop the session's plans and close its socket as "going away"."""
+        session = self._session
+        if session is not None:
+            session.fenced = True
+            session.queue.put_nowait(None)
+            await session.ws.close(code=WSCloseCode.GOING_AWAY, message=b"executor shutting down")
 
     async def _stop_worker(self, _app: web.Application) -> None:
         if self._load_task is not None:

@@ -255,3 +255,15 @@ async def test_protocol_violations_close_the_session(
     closing = await ws.receive(timeout=10)
     assert closing.type in {aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED}
     await asyncio.wait_for(ws.close(), timeout=10)
+
+
+async def test_shutdown_closes_the_session_as_going_away(llama: LoadedModel) -> None:
+    server, test_client = await _client(lambda: Executor(llama, num_blocks=16, block_size=4))
+    await server.wait_loaded()
+    ws, reply = await _open(test_client, epoch=1)
+    assert reply["type"] == "accepted"
+    await test_client.server.close()
+    closing = await ws.receive(timeout=10)
+    assert closing.type is aiohttp.WSMsgType.CLOSE
+    assert closing.data == aiohttp.WSCloseCode.GOING_AWAY
+    await test_client.close()
