@@ -45,10 +45,11 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = bytes_per_block(config, block_size, dtype)
+        self._layers = [(self.keys[:, i], self.values[:, i]) for i in range(config.num_layers)]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided per-layer views ``[num_blocks, block_size, Hkv, D]`` for the kernels."""
-        return self.keys[:, layer], self.values[:, layer]
+        return self._layers[layer]
 
 
 def blocks_for_memory_fraction(
