@@ -149,3 +149,31 @@ def test_calibration_reports_restore_cost_figures(looped: LoadedModel) -> None:
     ex.execute(api.StepPlan(step_id=1, new_requests=[REQUEST]))
     with pytest.raises(RuntimeError, match="idle"):
         ex.calibrate()
+
+
+def test_swap_out_and_in_within_one_plan_relocates_the_blocks(looped: LoadedModel) -> None:
+    ex = Executor(looped, num_blocks=12, block_size=4, host_snapshot_blocks=3)
+    fill = api.StepPlan(
+        step_id=1,
+        new_requests=[REQUEST],
+        block_appends=[api.BlockAppend(request_id="a", new_block_ids=[[0, 1], [2, 3], [4, 5]])],
+        prefill_rows=[
+            api.PrefillRow(request_id="a", token_start=0, token_end=4, depth_first=1, depth_last=3)
+        ],
+    )
+    assert ex.execute(fill).error is None
+    keys, _ = _blocks(ex, [0, 1, 2, 3, 4, 5])
+    # The snapshot needs its 6 host blocks even though it lives only inside this step.
+    moved = api.StepPlan(
+        step_id=2,
+        swap_out=["a"],
+        swap_in=[api.SwapIn(request_id="a", block_ids=[[6, 7], [8, 9], [10, 11]])],
+    )
+    result = ex.execute(moved)
+    assert result.error is not None and result.error.code is api.ErrorCode.HOST_BUDGET_EXCEEDED
+    ex = Executor(looped, num_blocks=12, block_size=4, host_snapshot_blocks=6)
+    assert ex.execute(fill).error is None
+    assert ex.execute(moved).error is None
+    relocated, _ = _blocks(ex, [6, 7, 8, 9, 10, 11])
+    assert torch.equal(relocated, keys)
+    assert ex.counters == api.ExecutorCounters(num_requests=1) and ex.blocks_used == 6
