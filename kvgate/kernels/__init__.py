@@ -60,9 +60,15 @@ def paged_attention(  # noqa: PLR0917 - the executor's call signature
     """
     if select_backend(query.device) is Backend.TORCH:
         return paged_attention_torch(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-            softmax_scale, out,
-        )  # fmt: skip
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            softmax_scale,
+            out,
+        )
     # Deferred: Triton reads TRITON_INTERPRET when the kernels are defined (see dispatch).
     from kvgate.kernels.triton_attention import paged_attention_triton  # noqa: PLC0415
 

@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvgate.kernels.attention_config import next_power_of_2
 from kvgate.kernels.checks import check_copy_slots, check_write_kv
-from kvgate.kernels.triton_common import next_power_of_2, require_matching_triton_mode
+from kvgate.kernels.triton_common import require_matching_triton_mode
 
 
 @triton.jit
