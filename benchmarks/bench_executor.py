@@ -36,7 +36,7 @@ from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
 
 SMALL = TinyModelSpec(
     family=ModelFamily.LLAMA, vocab_size=4096, hidden_size=512, intermediate_size=1408,
-    num_layers=4, num_heads=8, num_kv_heads=8, tokenizer=False,
+    num_layers=4, num_heads=8, num_kv_heads=8, tokenizer=False, max_position_embeddings=8192,
 )  # fmt: skip
 ONE_B = TinyModelSpec(
     family=ModelFamily.LLAMA, vocab_size=32000, hidden_size=2048, intermediate_size=8192,
@@ -102,7 +102,10 @@ class PagedRun:
             rows.append(_fill_row(rid, 0, PROMPT_LEN, completes=True))
         if mixed:
             feeder = [(3 * i) % vocab for i in range(CHUNK * (total_steps + 1))]
-            requests.append(api.NewRequest(request_id="feeder", prompt_token_ids=feeder))
+            sampling = api.SamplingParams(max_tokens=1)
+            requests.append(
+                api.NewRequest(request_id="feeder", prompt_token_ids=feeder, sampling=sampling)
+            )
             appends.append(self._pages("feeder", len(feeder)))
         plan = api.StepPlan(
             step_id=self._next(), new_requests=requests, block_appends=appends, prefill_rows=rows
