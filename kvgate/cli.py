@@ -15,7 +15,9 @@ from typing import Protocol, cast
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sim": ("kvgate.admission_service.sim.cli", "run a workload file on the simulated executor"),
+    "sim": ("kvgate.sim_command", "run a workload file on the simulated or a real executor"),
+    "executor": ("kvgate.gpu_executor.cli", "serve a model's step plans over a WebSocket"),
+    "make-tiny-model": ("kvgate.gpu_executor.tiny_model", "write a small random checkpoint"),
     "operator": ("kvgate.operator.cli", "run the ExecutorPool operator (kopf)"),
 }
 

@@ -36,7 +36,9 @@ class ExecutorState(StrEnum):
 class ExecutorSpec(_Body):
     """One executor the admission service should use: a name and its step endpoint URL."""
 
-    name: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
+    name: Annotated[
+        str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    ]
     endpoint: Annotated[str, Field(pattern=r"^wss?://")]
     draining: bool = False
 

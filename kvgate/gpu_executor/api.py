@@ -325,6 +325,4 @@ class ProtocolError(_Frozen):
 
 
 ClientMessage = Annotated[SessionOpen | StepPlan, Field(discriminator="type")]
-ServerMessage = Annotated[
-    SessionAccepted | StepResult | ProtocolError, Field(discriminator="type")
-]
+ServerMessage = Annotated[SessionAccepted | StepResult | ProtocolError, Field(discriminator="type")]

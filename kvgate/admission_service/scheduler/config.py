@@ -31,6 +31,17 @@ class PreemptionMode(StrEnum):
     AUTO = "auto"
 
 
+class AdmissionPricing(StrEnum):
+    """What admission must find free before starting a request (allocation is incremental).
+
+    ``fill``: the request's whole fill plus the fill still owed to running requests, so admitting
+    never strands a prompt half-way; ``first_chunk``: only the first chunk, relying on preemption
+    for the rest (vLLM-style optimism). Decode growth is recovered by preemption in both."""
+
+    FILL = "fill"
+    FIRST_CHUNK = "first_chunk"
+
+
 class RestoreMode(StrEnum):
     """How one preempted request will come back (the choice ``auto`` makes per victim)."""
 
@@ -71,6 +82,7 @@ class SchedulerConfig(_Settings):
     mode: Mode = Mode.MIXED
     wavefront_prefill: bool = False
     incremental_allocation: bool = True
+    admission_pricing: AdmissionPricing = AdmissionPricing.FILL
     preemption: PreemptionMode = PreemptionMode.AUTO
     async_scheduling: bool = False
     watermark_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.01

@@ -1,0 +1,138 @@
+"""Cost of one scheduler step at steady state: 512 running requests, a long waiting queue.
+
+    python benchmarks/bench_scheduler.py [--steps N]
+
+Times ``schedule()`` + ``apply()`` (the executor is an instant echo, not timed) with block size
+16 and mixed prompt/output lengths, once with 1,000 and once with 100,000 waiting requests.
+Prints median and p99 per step (thread CPU time, so other load on a shared machine does not
+inflate it) and the 100k/1k ratio: the scan touches at most ``admission_scan_limit`` waiting
+entries, so the cost must not grow with the queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvgate.admission_service.scheduler.config import (
+    CacheConfig,
+    ModelShape,
+    SchedulerConfig,
+)
+from kvgate.admission_service.scheduler.request import RequestSpec
+from kvgate.admission_service.scheduler.scheduler import Scheduler
+from kvgate.gpu_executor.api import (
+    DecodeOutcomes,
+    SampledToken,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
+
+RUNNING = 512
+
+
+def _spec(index: int) -> RequestSpec:
+    prompt_len = 32 + (index * 37) % 480
+    max_tokens = 64 + (index * 53) % 960
+    return RequestSpec(
+        request_id=f"req-{index}",
+        prompt_token_ids=tuple((index + i) % 32000 for i in range(prompt_len)),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def _echo(plan: StepPlan) -> StepResult:
+    """An instant executor: every fill completes with a token, every decode pass exits."""
+    tokens = [
+        SampledToken.model_construct(
+            request_id=row.request_id, position=row.token_end, token_id=7, exit_depth=1
+        )
+        for row in plan.prefill_rows
+        if row.completes_fill
+    ]
+    decode = plan.decode
+    positions = [p if p is not None else 0 for p in decode.positions]
+    tokens.extend(
+        SampledToken.model_construct(request_id=rid, position=pos + 1, token_id=7, exit_depth=1)
+        for rid, pos in zip(decode.request_ids, positions, strict=True)
+    )
+    outcomes = DecodeOutcomes.model_construct(
+        request_ids=decode.request_ids,
+        positions=positions,
+        depths=[1] * len(positions),
+        exited=[True] * len(positions),
+    )
+    return StepResult.model_construct(
+        step_id=plan.step_id, tokens=tokens, decode=outcomes, skipped_request_ids=[], error=None
+    )
+
+
+def measure(waiting: int, steps: int) -> list[float]:
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=RUNNING,
+            max_num_batched_tokens=8192,
+            prefill_chunk_size=2048,
+            preemption="recompute",
+        ),
+        CacheConfig(num_blocks=RUNNING * 96, block_size=16, enable_prefix_caching=True),
+        ModelShape(num_loops=1),
+    )
+    next_index = 0
+    for _ in range(RUNNING + waiting):
+        scheduler.add_request(_spec(next_index))
+        next_index += 1
+    # Warm up until every slot runs decode.
+    for _ in range(40):
+        plan = scheduler.schedule(0.0)
+        assert plan is not None
+        scheduler.apply(_echo(plan))
+    assert scheduler.num_running == RUNNING
+    timings = []
+    gc.collect()
+    # CPU time of this thread: other processes on a shared machine do not count against it.
+    clock = time.thread_time
+    for _ in range(steps):
+        start = clock()
+        plan = scheduler.schedule(0.0)
+        assert plan is not None
+        mid = clock()
+        result = _echo(plan)
+        resume = clock()
+        events = scheduler.apply(result)
+        end = clock()
+        timings.append((mid - start) + (end - resume))
+        finished = sum(1 for e in events if type(e).__name__ == "FinishedEvent")
+        for _ in range(finished):  # keep the waiting queue at its size
+            scheduler.add_request(_spec(next_index))
+            next_index += 1
+    return timings
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    results = {}
+    for waiting in (1_000, 100_000):
+        timings = measure(waiting, args.steps)
+        median = statistics.median(timings) * 1e3
+        p99 = statistics.quantiles(timings, n=100)[98] * 1e3
+        results[waiting] = median
+        print(
+            f"{RUNNING} running, {waiting:>7} waiting: schedule()+apply() median {median:.3f} ms,"
+            f" p99 {p99:.3f} ms over {args.steps} steps"
+        )
+    print(f"ratio 100k/1k median: {results[100_000] / results[1_000]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""The one admission loop: fresh admissions, snapshot restores and recompute restores alike.
+
+```
+for each waiting request, in admission order, at most admission_scan_limit:
+    need ← blocks to start it (fresh: its first chunk, or full capacity when not incremental;
+           snapshot restore: its snapshot's pages; recompute restore: its first chunk)
+           [+ the rest of its fill and the fill owed to running requests: fill pricing]
+           + watermark headroom when other work is active
+    if it fits, or strictly-less-important running work can free enough (checked first):
+        evict that work, start it
+        every request deferred earlier in this scan: bypasses += 1
+        stop if any of them reached max_admission_bypasses
+    else:
+        defer; stop if this request's bypasses ≥ max_admission_bypasses
+deferred requests keep their place at the front of the waiting order
+```
+
+With ``admission_pricing: fill`` (the default) the need also covers the rest of the request's fill
+and the fill still owed to running requests, while blocks are still claimed chunk by chunk: this
+keeps admission from stranding prompts half-way, and on the livelock suite it halved preemptions
+against ``first_chunk`` pricing at the same step count (docs/benchmarks.md). Decode growth is left
+to preemption, as in vLLM.
+
+A request cannot start in the step it was evicted in, nor while results of its last rows are in
+flight; it is deferred like any other (so its bypass protection still holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.admission_service.scheduler.config import AdmissionPricing, RestoreMode
+from kvgate.admission_service.scheduler.events import AdmissionKind
+from kvgate.admission_service.scheduler.fill import Fill
+from kvgate.admission_service.scheduler.kv import Page
+from kvgate.admission_service.scheduler.plan import PlanBuilder
+from kvgate.admission_service.scheduler.policy import EvictionReason
+from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
+from kvgate.admission_service.scheduler.request import Request
+from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.gpu_executor.api import NewRequest
+
+
+@dataclass(frozen=True, slots=True)
+class StartPlan:
+    """How a waiting request would start, priced before anything changes."""
+
+    kind: str
+    num_pages: int
+    prefix: list[Page]
+    fill_tokens: int
+    cached_tokens: int
+    blocks: int  # how much the free count must cover: the claim plus what it will be owed
+
+
+def plan_start(state: SchedulerState, request: Request) -> StartPlan:
+    pool = state.pool
+    if request.restore_mode is RestoreMode.SNAPSHOT:
+        pages = request.snapshot_pages
+        return StartPlan(AdmissionKind.SNAPSHOT, pages, [], 0, 0, pool.claim_cost(pages, []))
+    kind = AdmissionKind.RECOMPUTE if request.restore_mode is not None else AdmissionKind.FRESH
+    fill_tokens = request.kv_tokens_needed
+    prefix = pool.lookup_prefix(request.page_digests)
+    cached_tokens = len(prefix) * pool.block_size
+    if not state.config.incremental_allocation:
+        pages = promised = state.capacity_pages(request)
+    else:
+        first = cached_tokens + state.first_chunk_tokens(fill_tokens - cached_tokens)
+        pages = pool.pages_for(min(fill_tokens, first))
+        if not state.preemption_enabled:
+            promised = state.capacity_pages(request)
+        elif state.config.admission_pricing is AdmissionPricing.FILL:
+            promised = pool.pages_for(fill_tokens)
+        else:
+            promised = pages
+    blocks = pool.claim_cost(pages - len(prefix), prefix)
+    blocks += max(0, promised - pages) * state.num_planes
+    return StartPlan(kind, pages, prefix, fill_tokens, cached_tokens, blocks)
+
+
+def start(state: SchedulerState, request: Request, plan: StartPlan, builder: PlanBuilder) -> None:
+    pool = state.pool
+    if plan.kind == AdmissionKind.SNAPSHOT:
+        pages = pool.allocate(request.request_id, plan.num_pages, [])
+        if pages is None:
+            raise AssertionError(f"priced snapshot restore of {request.request_id} did not fit")
+        builder.swap_in_pages(request.request_id, pages)
+        state.host_blocks_used -= request.snapshot_pages * state.num_planes
+        builder.host_blocks_restored += request.snapshot_pages * state.num_planes
+        request.snapshot_pages = 0
+    else:
+        pages = pool.allocate(request.request_id, plan.num_pages, plan.prefix)
+        if pages is None:
+            raise AssertionError(f"priced start of {request.request_id} did not fit")
+        spec = request.spec
+        builder.new_requests.append(
+            NewRequest.model_construct(
+                request_id=request.request_id,
+                prompt_token_ids=list(spec.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                exit_depths=list(request.exit_depths),
+                sampling=spec.sampling,
+                loops=spec.loops,
+                traceparent=spec.traceparent,
+            )
+        )
+        builder.append_pages(request.request_id, [*plan.prefix, *pages])
+        request.fill = Fill(
+            length=plan.fill_tokens,
+            start=plan.cached_tokens,
+            num_loops=state.num_planes,
+            wavefront=state.config.wavefront_prefill,
+        )
+        request.published_pages = len(plan.prefix)
+        request.depth_done = 0
+        request.on_executor = True
+        if plan.kind == AdmissionKind.RECOMPUTE:
+            lost = min(request.kv_tokens_lost, plan.fill_tokens)
+            request.recomputed_tokens += max(0, lost - plan.cached_tokens)
+            request.kv_tokens_lost = 0
+    if request.restore_mode is not None:
+        request.restore_modes.append(request.restore_mode)
+        request.restored_step = state.step
+        request.restore_mode = None
+    request.started_step = state.step
+    if request.first_admitted_step is None:
+        request.first_admitted_step = state.step
+    state.mark_running(request)
+    builder.started.add(request.request_id)
+    builder.report.admitted.append((request.request_id, plan.kind))
+
+
+def _startable_now(state: SchedulerState, request: Request) -> bool:
+    return request.evicted_step != state.step and request.inflight_step is None
+
+
+def admit(state: SchedulerState, builder: PlanBuilder) -> None:
+    config = state.config
+    limit = config.max_admission_bypasses
+    deferred: list[Request] = []
+    for _ in range(config.admission_scan_limit):
+        request = state.waiting.pop()
+        if request is None:
+            break
+        if _startable_now(state, request) and _try_start(state, request, builder):
+            for blocked in deferred:
+                blocked.bypasses += 1
+                builder.report.bypassed.append(blocked.request_id)
+            if any(blocked.bypasses >= limit for blocked in deferred):
+                break
+            continue
+        deferred.append(request)
+        if request.bypasses >= limit or _no_slot_for_anyone_behind(state, request, builder):
+            break
+    for request in deferred:
+        state.waiting.push(request)
+
+
+def _try_start(state: SchedulerState, request: Request, builder: PlanBuilder) -> bool:
+    plan = plan_start(state, request)
+    active = len(state.running)
+    headroom = state.watermark_blocks if active else 0
+    short = plan.blocks + headroom + state.owed_blocks - state.pool.num_free_blocks
+    need_slot = active >= state.config.max_num_seqs
+    if short > 0 or need_slot:
+        victims = find_victims(
+            state,
+            request,
+            max(0, short),
+            need_slot,
+            EvictionReason.ADMISSION,
+            builder,
+            keep=frozenset(plan.prefix),
+        )
+        if victims is None:
+            return False
+        # Victims free at least what was priced: their pages in the requester's prefix were not
+        # counted (releasing those raises the claim's cost exactly as much as the free count).
+        evict_all(state, victims, request, EvictionReason.ADMISSION, builder)
+    start(state, request, plan, builder)
+    return True
+
+
+def _no_slot_for_anyone_behind(
+    state: SchedulerState, request: Request, builder: PlanBuilder
+) -> bool:
+    """With every slot taken and nothing evictable for ``request``, no request behind it (none
+    is more important) can get a slot either."""
+    if len(state.running) < state.config.max_num_seqs:
+        return False
+    return find_victims(state, request, 0, True, EvictionReason.ADMISSION, builder) is None

@@ -1,0 +1,234 @@
+"""Row selection: which running requests get a row in this step, under the token budget.
+
+Running requests are visited in admission order, so the most important ones claim budget and
+blocks first. A row that needs a new block and finds none preempts the least important eligible
+running request (never one already selected in this step, never one started in this step, never
+one inside its residency window unless the requester is of a strictly more important class); if no
+such set of victims can free enough, the requester yields this step and nothing is evicted.
+
+The budget counts token *passes*: a decode row is one, a wavefront task is its chunk length, a
+non-wavefront prefill row is its chunk length times the loop depth.
+
+``refill`` mode gives a step prefill rows or decode rows (a decode step is due after
+``max_prefill_steps_before_decode`` prefill steps); ``mixed`` mode puts both in one forward.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Protocol
+
+from kvgate.admission_service.scheduler.config import Mode
+from kvgate.admission_service.scheduler.plan import PlanBuilder
+from kvgate.admission_service.scheduler.request import Request, RequestStatus
+from kvgate.admission_service.scheduler.state import SchedulerState
+
+
+class RoomMaker(Protocol):
+    def make_room(
+        self, state: SchedulerState, builder: PlanBuilder, requester: Request, blocks_short: int
+    ) -> bool: ...
+
+
+class _Stage(Enum):
+    FILL = "fill"
+    DECODE = "decode"
+
+
+def select_rows(state: SchedulerState, builder: PlanBuilder, rooms: RoomMaker) -> None:
+    budget = state.config.max_num_batched_tokens
+    if state.config.mode is Mode.MIXED:
+        _visit(state, builder, rooms, budget, stage=None)
+        return
+    stage = _due_stage(state)
+    budget = _visit(state, builder, rooms, budget, stage=stage)
+    if builder.num_rows == 0:  # the due stage had nothing runnable: do not waste the step
+        other = _Stage.DECODE if stage is _Stage.FILL else _Stage.FILL
+        _visit(state, builder, rooms, budget, stage=other)
+    if builder.decode_ids:
+        state.prefill_steps_since_decode = 0
+    elif builder.prefill_rows:
+        state.prefill_steps_since_decode += 1
+
+
+def _due_stage(state: SchedulerState) -> _Stage:
+    has_fill = has_decode = False
+    for request in state.running:
+        if request.fill is not None and not _fill_completion_in_flight(state, request):
+            has_fill = True
+        else:
+            has_decode = True
+        if has_fill and has_decode:
+            break
+    if not has_decode:
+        return _Stage.FILL
+    if not has_fill:
+        return _Stage.DECODE
+    decode_due = state.prefill_steps_since_decode >= state.config.max_prefill_steps_before_decode
+    return _Stage.DECODE if decode_due else _Stage.FILL
+
+
+def _visit(
+    state: SchedulerState,
+    builder: PlanBuilder,
+    rooms: RoomMaker,
+    budget: int,
+    *,
+    stage: _Stage | None,
+) -> int:
+    """Give rows to running requests in admission order; ``stage`` None admits both kinds."""
+    pool = state.pool
+    block_size = pool.block_size
+    step = state.step
+    ids, positions, depths = builder.decode_ids, builder.decode_positions, builder.decode_depths
+    selected = builder.selected
+    for request in state.running.snapshot():
+        if budget <= 0:
+            break
+        if request.status is not RequestStatus.RUNNING:
+            continue  # evicted by an earlier row's growth in this step
+        if request.fill is not None and not _fill_completion_in_flight(state, request):
+            if stage is not _Stage.DECODE:
+                budget = _schedule_fill(state, builder, rooms, request, budget)
+            continue
+        if stage is _Stage.FILL:
+            continue
+        if request.inflight_step is None:
+            # The common case, kept lean: the cursor is known and its page is already held.
+            position = request.prompt_len + len(request.output_token_ids) - 1
+            request_id = request.request_id
+            if (position + block_size) // block_size <= pool.num_pages(request_id):
+                ids.append(request_id)
+                positions.append(position)
+                depths.append(request.depth_done + 1)
+                selected.add(request_id)
+                request.inflight_step = step
+                request.inflight_decode = True
+                request.inflight_completes_fill = False
+                budget -= 1
+                continue
+        budget = _schedule_decode(state, builder, rooms, request, budget)
+    return budget
+
+
+def _fill_completion_in_flight(state: SchedulerState, request: Request) -> bool:
+    return state.unresolved(request) and request.inflight_completes_fill
+
+
+def _mark_inflight(
+    state: SchedulerState, request: Request, *, decode: bool, completes: bool
+) -> None:
+    if request.inflight_step != state.step:
+        request.inflight_step = state.step
+        request.inflight_decode = False
+        request.inflight_completes_fill = False
+    request.inflight_decode |= decode
+    request.inflight_completes_fill |= completes
+
+
+# --- prefill ---------------------------------------------------------------------------------
+def _schedule_fill(
+    state: SchedulerState, builder: PlanBuilder, rooms: RoomMaker, request: Request, budget: int
+) -> int:
+    fill = request.fill
+    assert fill is not None
+    for task in fill.ready_tasks():
+        per_token = task.cost_per_token
+        if task.chunk is None:
+            num_tokens = min(task.max_tokens, state.config.prefill_chunk_size, budget // per_token)
+        else:
+            num_tokens = task.max_tokens
+            if num_tokens * per_token > budget:
+                continue
+        if num_tokens <= 0:
+            continue
+        if not _ensure_pages(state, builder, rooms, request, task.start + num_tokens):
+            break
+        chunk, completes = fill.schedule(task, num_tokens)
+        builder.add_prefill(
+            request.request_id, chunk.start, chunk.end, task.depth_first, task.depth_last, completes
+        )
+        _mark_inflight(state, request, decode=False, completes=completes)
+        budget -= num_tokens * per_token
+    return budget
+
+
+# --- decode ----------------------------------------------------------------------------------
+def _certain_exit(request: Request, depth: int) -> bool | None:
+    """Whether the pass at ``depth`` surely ends its token (``None``: the executor decides)."""
+    if depth >= request.max_loops:
+        return True
+    trace = request.spec.loops.exit_trace
+    index = len(request.output_token_ids)
+    if trace is not None and index < len(trace):
+        return depth == trace[index]
+    if depth < request.min_loops:
+        return False
+    return None
+
+
+def next_decode_pass(
+    state: SchedulerState, request: Request
+) -> tuple[int | None, int | None, int] | None:
+    """(position, depth, K/V frontier in tokens) of the request's next pass; position and depth
+    are ``None`` when an in-flight outcome decides them. ``None``: no pass is useful now."""
+    max_tokens = request.spec.sampling.max_tokens
+    if request.fill is not None:
+        # Only reached while the fill's last row is in flight: decode starts right after it.
+        if not request.output_token_ids and max_tokens == 1:
+            return None
+        position = request.fill.length
+        return position, 1, position + 1
+    position = request.cursor_position
+    depth = request.depth_done + 1
+    if not (state.unresolved(request) and request.inflight_decode):
+        return position, depth, position + 1
+    # The pass (position, depth) is in flight: what follows depends on whether it exits.
+    finishes_on_exit = len(request.output_token_ids) + 1 >= max_tokens
+    exits = _certain_exit(request, depth)
+    if exits is True:
+        return None if finishes_on_exit else (position + 1, 1, position + 2)
+    if exits is False:
+        return position, depth + 1, position + 1
+    return None, None, position + (1 if finishes_on_exit else 2)
+
+
+def _schedule_decode(
+    state: SchedulerState, builder: PlanBuilder, rooms: RoomMaker, request: Request, budget: int
+) -> int:
+    nxt = next_decode_pass(state, request)
+    if nxt is None:
+        return budget
+    position, depth, frontier = nxt
+    if not _ensure_pages(state, builder, rooms, request, frontier):
+        return budget
+    builder.add_decode(request.request_id, position, depth)
+    _mark_inflight(state, request, decode=True, completes=False)
+    return budget - 1
+
+
+# --- growth ----------------------------------------------------------------------------------
+def _ensure_pages(
+    state: SchedulerState,
+    builder: PlanBuilder,
+    rooms: RoomMaker,
+    request: Request,
+    frontier_tokens: int,
+) -> bool:
+    """Make the table cover ``[0, frontier_tokens)``, preempting for it if that helps."""
+    pool = state.pool
+    frontier_tokens = min(frontier_tokens, request.capacity_tokens)
+    pages = pool.pages_for(frontier_tokens)
+    have = pool.num_pages(request.request_id)
+    if pages <= have:
+        return True
+    fresh = state.grow(request, pages)
+    if fresh is None:
+        short = (pages - have) * state.num_planes - pool.num_free_blocks
+        if not rooms.make_room(state, builder, request, short):
+            return False
+        fresh = state.grow(request, pages)
+        if fresh is None:
+            return False  # only a strategy without a preflight gets here
+    builder.append_pages(request.request_id, fresh)
+    return True

@@ -1,0 +1,116 @@
+"""Collects one step's actions and rows, then freezes them into a ``StepPlan``."""
+
+from __future__ import annotations
+
+from kvgate.admission_service.scheduler.events import StepReport
+from kvgate.admission_service.scheduler.kv import Page
+from kvgate.gpu_executor.api import (
+    BlockAppend,
+    DecodeRows,
+    NewRequest,
+    PrefillRow,
+    StepPlan,
+    SwapIn,
+)
+
+
+def _by_plane(pages: list[Page], num_planes: int) -> list[list[int]]:
+    return [[page[plane] for page in pages] for plane in range(num_planes)]
+
+
+class PlanBuilder:
+    def __init__(self, step_id: int, num_planes: int) -> None:
+        self.step_id = step_id
+        self.num_planes = num_planes
+        self.free: list[str] = []
+        self.swap_out: list[str] = []
+        self.new_requests: list[NewRequest] = []
+        self.swap_in: list[SwapIn] = []
+        self._appends: dict[str, list[Page]] = {}
+        self.prefill_rows: list[PrefillRow] = []
+        self.decode_ids: list[str] = []
+        self.decode_positions: list[int | None] = []
+        self.decode_depths: list[int | None] = []
+        self.selected: set[str] = set()  # requests with a row in this step
+        self.started: set[str] = set()  # requests admitted or restored in this step
+        # Host blocks that swap-ins of this step give back. The executor swaps out before it
+        # swaps in, so a snapshot taken in this step cannot use them yet.
+        self.host_blocks_restored = 0
+        self.report = StepReport(step_id)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prefill_rows) + len(self.decode_ids)
+
+    def append_pages(self, request_id: str, pages: list[Page]) -> None:
+        if pages:
+            self._appends.setdefault(request_id, []).extend(pages)
+
+    def swap_in_pages(self, request_id: str, pages: list[Page]) -> None:
+        self.swap_in.append(
+            SwapIn.model_construct(
+                request_id=request_id, block_ids=_by_plane(pages, self.num_planes)
+            )
+        )
+
+    def add_prefill(
+        self,
+        request_id: str,
+        token_start: int,
+        token_end: int,
+        depth_first: int,
+        depth_last: int,
+        completes_fill: bool,
+    ) -> None:
+        self.prefill_rows.append(
+            PrefillRow.model_construct(
+                request_id=request_id,
+                token_start=token_start,
+                token_end=token_end,
+                depth_first=depth_first,
+                depth_last=depth_last,
+                completes_fill=completes_fill,
+            )
+        )
+        self.selected.add(request_id)
+
+    def add_decode(self, request_id: str, position: int | None, depth: int | None) -> None:
+        self.decode_ids.append(request_id)
+        self.decode_positions.append(position)
+        self.decode_depths.append(depth)
+        self.selected.add(request_id)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.free
+            or self.swap_out
+            or self.new_requests
+            or self.swap_in
+            or self._appends
+            or self.num_rows
+        )
+
+    def build(self) -> StepPlan:
+        appends = [
+            BlockAppend.model_construct(
+                request_id=request_id, new_block_ids=_by_plane(pages, self.num_planes)
+            )
+            for request_id, pages in self._appends.items()
+        ]
+        decode = DecodeRows.model_construct(
+            request_ids=self.decode_ids,
+            positions=self.decode_positions,
+            depths=self.decode_depths,
+        )
+        return StepPlan.model_construct(
+            type="plan",
+            step_id=self.step_id,
+            free=self.free,
+            swap_out=self.swap_out,
+            new_requests=self.new_requests,
+            swap_in=self.swap_in,
+            block_appends=appends,
+            prefill_rows=self.prefill_rows,
+            decode=decode,
+            traceparent=None,
+        )

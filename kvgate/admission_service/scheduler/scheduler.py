@@ -1,0 +1,449 @@
+"""The scheduler: ``schedule(now) -> StepPlan | None`` and ``apply(result) -> events``.
+
+Both are deterministic functions of the scheduler's state and their inputs; time is passed in.
+A step is three named phases — admit, select rows, freeze the plan — and applying a result is
+the only place where progress advances.
+
+Async scheduling: with ``async_scheduling`` one plan may be in flight while the next is planned
+(``schedule`` twice, then ``apply`` the older result). Without it, every plan must be applied
+before the next ``schedule``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass
+
+from kvgate.admission_service.scheduler import invariants
+from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
+from kvgate.admission_service.scheduler.errors import (
+    PlanRejected,
+    RequestRejected,
+    SchedulerStalled,
+)
+from kvgate.admission_service.scheduler.events import (
+    FinishedEvent,
+    RequestEvent,
+    RequestStats,
+    StepReport,
+    TokenEvent,
+)
+from kvgate.admission_service.scheduler.kv import BlockPool, page_hashes
+from kvgate.admission_service.scheduler.plan import PlanBuilder
+from kvgate.admission_service.scheduler.policy import admission_key, priority_class
+from kvgate.admission_service.scheduler.request import (
+    FinishReason,
+    Request,
+    RequestSpec,
+    RequestStatus,
+)
+from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
+from kvgate.gpu_executor.api import StepPlan, StepResult
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProgress:
+    """A request lifted out of one scheduler to resume on another by recompute."""
+
+    spec: RequestSpec
+    output_token_ids: tuple[int, ...]
+    exit_depths: tuple[int, ...]
+    arrival_seq: int
+    bypasses: int
+    preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        model: ModelShape,
+        strategy: Strategy | None = None,
+    ) -> None:
+        if not config.wavefront_prefill and config.max_num_batched_tokens < model.num_loops:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) cannot hold one "
+                f"prefill token at every one of {model.num_loops} loops; raise it or enable "
+                "wavefront_prefill"
+            )
+        pool = BlockPool(
+            cache.num_blocks, cache.block_size, model.num_loops, cache.enable_prefix_caching
+        )
+        self.state = SchedulerState(config=config, cache=cache, model=model, pool=pool)
+        self.strategy: Strategy = strategy or KvgateStrategy()
+        self.last_report = StepReport(step_id=0)
+        self._events: list[RequestEvent] = []
+        self._finished_count = 0
+        self._progressed = False
+
+    # --- requests ----------------------------------------------------------------------------
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.state.config
+
+    def add_request(
+        self,
+        spec: RequestSpec,
+        *,
+        arrival_seq: int | None = None,
+        progress: RequestProgress | None = None,
+    ) -> Request:
+        """Queue a request, or raise ``RequestRejected`` if it can never run here."""
+        state = self.state
+        if spec.request_id in state.requests:
+            raise RequestRejected(spec.request_id, "a request with this id is already in flight")
+        self._check_feasible(spec)
+        if progress is not None:
+            arrival_seq = progress.arrival_seq
+        seq = state.next_arrival_seq if arrival_seq is None else arrival_seq
+        state.next_arrival_seq = max(state.next_arrival_seq, seq + 1)
+        loops = spec.loops
+        num_loops = state.model.num_loops
+        request = Request(
+            spec=spec,
+            request_id=spec.request_id,
+            key=admission_key(state.config.policy, spec.priority, seq),
+            priority_class=priority_class(state.config.policy, spec.priority),
+            arrival_seq=seq,
+            num_loops=num_loops,
+            min_loops=min(loops.min_loops, num_loops),
+            max_loops=min(loops.max_loops or num_loops, num_loops),
+            capacity_tokens=len(spec.prompt_token_ids) + spec.sampling.max_tokens - 1,
+            prompt_len=len(spec.prompt_token_ids),
+            arrival_step=state.step,
+        )
+        if state.cache.enable_prefix_caching:
+            request.page_digests = page_hashes(spec.prompt_token_ids, state.cache.block_size)
+        if progress is not None:
+            request.output_token_ids = list(progress.output_token_ids)
+            request.exit_depths = list(progress.exit_depths)
+            request.bypasses = progress.bypasses
+            request.num_preemptions = progress.preemptions
+        request.progress_mark = request.kv_frontier
+        state.requests[spec.request_id] = request
+        state.waiting.push(request)
+        if spec.deadline_s is not None:
+            heapq.heappush(state.deadlines, (spec.deadline_s, seq, spec.request_id))
+        return request
+
+    def _check_feasible(self, spec: RequestSpec) -> None:
+        state = self.state
+        rid = spec.request_id
+        if not spec.prompt_token_ids:
+            raise RequestRejected(rid, "the prompt is empty")
+        capacity = len(spec.prompt_token_ids) + spec.sampling.max_tokens - 1
+        max_len = state.model.max_model_len
+        if max_len is not None and capacity > max_len:
+            raise RequestRejected(
+                rid,
+                f"prompt ({len(spec.prompt_token_ids)} tokens) + max_tokens "
+                f"({spec.sampling.max_tokens}) - 1 = {capacity} exceeds max_model_len ({max_len})",
+            )
+        blocks = state.pool.pages_for(capacity) * state.num_planes
+        if blocks > state.cache.num_blocks:
+            raise RequestRejected(
+                rid,
+                f"needs {blocks} KV blocks ({capacity} tokens × {state.num_planes} planes at "
+                f"block size {state.cache.block_size}) but the whole cache has "
+                f"{state.cache.num_blocks}",
+            )
+        loops = spec.loops
+        if loops.min_loops > state.num_planes:
+            raise RequestRejected(
+                rid, f"min_loops ({loops.min_loops}) exceeds the model's {state.num_planes} loops"
+            )
+        if loops.exit_trace is not None:
+            self._check_trace(spec)
+
+    def _check_trace(self, spec: RequestSpec) -> None:
+        trace = spec.loops.exit_trace or []
+        r = self.state.num_planes
+        top = min(spec.loops.max_loops or r, r)
+        if len(trace) < spec.sampling.max_tokens:
+            raise RequestRejected(
+                spec.request_id,
+                f"exit_trace has {len(trace)} depths for max_tokens {spec.sampling.max_tokens}",
+            )
+        if trace[0] != r:
+            raise RequestRejected(
+                spec.request_id, f"exit_trace[0] must be the full depth {r} (the prompt's pass)"
+            )
+        bad = [d for d in trace[1:] if not spec.loops.min_loops <= d <= top]
+        if bad:
+            raise RequestRejected(
+                spec.request_id,
+                f"exit_trace depths {bad[:4]} outside [{spec.loops.min_loops}, {top}]",
+            )
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Cancel a request; its final event comes with the next ``apply``/``pop_events``."""
+        request = self.state.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, reason)
+        return True
+
+    def expire(self, now: float) -> None:
+        """Finish every request whose deadline has passed."""
+        deadlines = self.state.deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, seq, request_id = heapq.heappop(deadlines)
+            request = self.state.requests.get(request_id)
+            if request is not None and request.arrival_seq == seq:
+                self._finish(request, FinishReason.DEADLINE)
+
+    def pop_events(self) -> list[RequestEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def evacuate(self, *, executor_alive: bool) -> list[RequestProgress]:
+        """Lift every request out (executor lost or drained) to resume elsewhere by recompute.
+
+        With a live executor the next plan frees their state there."""
+        state = self.state
+        lifted: list[RequestProgress] = []
+        for request in sorted(state.requests.values(), key=lambda r: r.key):
+            lifted.append(
+                RequestProgress(
+                    spec=request.spec,
+                    output_token_ids=tuple(request.output_token_ids),
+                    exit_depths=tuple(request.exit_depths),
+                    arrival_seq=request.arrival_seq,
+                    bypasses=request.bypasses,
+                    preemptions=request.num_preemptions,
+                )
+            )
+            if request.status is RequestStatus.RUNNING:
+                state.release_blocks(request)
+                state.running.remove(request)
+            else:
+                state.waiting.discard(request)
+            if executor_alive and request.on_executor:
+                state.pending_free.append(request.request_id)
+            request.status = RequestStatus.FINISHED
+        state.requests.clear()
+        state.host_blocks_used = 0
+        state.inflight.clear()
+        if not executor_alive:
+            state.pending_free.clear()
+        return lifted
+
+    # --- views -------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.state.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.state.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.state.requests) or bool(self.state.pending_free)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.state.inflight)
+
+    def waiting_order(self, limit: int | None = None) -> list[Request]:
+        return self.state.waiting.ordered(limit)
+
+    def check_invariants(self) -> None:
+        invariants.check(self.state, self.last_report)
+
+    # --- the step ----------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan | None:
+        state = self.state
+        allowed = 2 if state.config.async_scheduling else 1
+        if len(state.inflight) >= allowed:
+            raise RuntimeError(f"{len(state.inflight)} plan(s) in flight; apply results first")
+        if state.steps_without_progress >= state.config.stall_steps:
+            raise SchedulerStalled(
+                f"no request progressed for {state.steps_without_progress} steps with "
+                f"{len(state.waiting)} waiting and {len(state.running)} running",
+                invariants.dump(state),
+            )
+        self.expire(now)
+        state.step += 1
+        builder = PlanBuilder(state.step, state.num_planes)
+        builder.free.extend(state.pending_free)
+        state.pending_free.clear()
+        self.strategy.plan_step(state, builder)
+        self._report(builder)
+        if builder.is_empty():
+            state.step -= 1
+            if state.requests and not state.inflight:
+                state.steps_without_progress += 1  # work exists, nothing can run
+            return None
+        plan = builder.build()
+        state.inflight[plan.step_id] = plan
+        return plan
+
+    def _report(self, builder: PlanBuilder) -> None:
+        state = self.state
+        report = builder.report
+        report.decode_rows = len(builder.decode_ids)
+        report.rows = report.decode_rows + len(builder.prefill_rows)
+        depths = Counter(d for d in builder.decode_depths if d is not None)
+        for row in builder.prefill_rows:
+            report.prefill_tokens += (row.token_end - row.token_start) * (
+                row.depth_last - row.depth_first + 1
+            )
+            depths.update(range(row.depth_first, row.depth_last + 1))
+        report.depths = dict(depths)
+        report.blocks_free = state.pool.num_free_blocks
+        report.blocks_used = state.pool.num_used_blocks
+        report.num_waiting = len(state.waiting)
+        report.num_running = len(state.running)
+        report.progressed_request_ids = set(builder.selected) | set(builder.started)
+        self.last_report = report
+
+    def apply(self, result: StepResult) -> list[RequestEvent]:
+        """Advance progress by an executor's result (results arrive in plan order)."""
+        state = self.state
+        if not state.inflight:
+            raise RuntimeError(f"result for step {result.step_id} but no plan is in flight")
+        oldest = min(state.inflight)
+        if result.step_id != oldest:
+            raise RuntimeError(f"result for step {result.step_id}, expected step {oldest}")
+        plan = state.inflight.pop(oldest)
+        if result.error is not None:
+            raise PlanRejected(f"executor rejected step {plan.step_id}: {result.error.message}")
+        self._progressed = False
+        finished_before = self._finished_count
+        self._apply_prefill(plan)
+        self._apply_decode(result, plan.step_id)
+        self._apply_tokens(result)
+        self._check_skipped(result)
+        # Progress means K/V beyond a request's high-water mark, a new token, or a finish: work
+        # redone after a recompute preemption does not count, so a preempt/restore cycle cannot
+        # hide a stall.
+        if self._progressed or self._finished_count > finished_before:
+            state.steps_without_progress = 0
+        else:
+            state.steps_without_progress += 1
+        return self.pop_events()
+
+    def _apply_prefill(self, plan: StepPlan) -> None:
+        requests = self.state.requests
+        for row in plan.prefill_rows:
+            request = requests.get(row.request_id)
+            if request is None:
+                continue
+            if request.inflight_step == plan.step_id:
+                request.inflight_step = None
+            fill = request.fill
+            if fill is None:
+                continue  # its fill was dropped by a recompute preemption
+            fill.complete(row.token_start, row.depth_last)
+            frontier = fill.full_depth_frontier()
+            if frontier > request.progress_mark:
+                request.progress_mark = frontier
+                self._progressed = True
+            self._publish_prefix(request)
+            if row.completes_fill:
+                request.fill = None
+                request.depth_done = 0
+                self.state.refresh_owed(request)
+
+    def _publish_prefix(self, request: Request) -> None:
+        state = self.state
+        fill = request.fill
+        if not request.page_digests or fill is None or request.status is not RequestStatus.RUNNING:
+            return
+        ready = fill.full_depth_frontier() // state.cache.block_size
+        if ready > request.published_pages:
+            state.pool.publish(request.request_id, request.page_digests, ready)
+            request.published_pages = min(ready, len(request.page_digests))
+
+    def _apply_decode(self, result: StepResult, step_id: int) -> None:
+        requests = self.state.requests
+        decode = result.decode
+        for request_id, position, depth, exited in zip(
+            decode.request_ids, decode.positions, decode.depths, decode.exited, strict=True
+        ):
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            if request.inflight_step == step_id:
+                request.inflight_step = None
+            if request.fill is not None or (
+                request.restore_mode is not None and not request.on_executor
+            ):
+                continue  # a recompute preemption dropped it: the unfinished token restarts
+            expected = request.prompt_len + len(request.output_token_ids) - 1
+            if position != expected or depth != request.depth_done + 1:
+                raise PlanRejected(
+                    f"{request_id}: executor ran ({position}, {depth}), scheduler expected "
+                    f"({expected}, {request.depth_done + 1})"
+                )
+            request.depth_done = 0 if exited else depth
+
+    def _apply_tokens(self, result: StepResult) -> None:
+        requests = self.state.requests
+        eos = self.state.model.eos_token_id
+        events = self._events
+        for token in result.tokens:
+            request = requests.get(token.request_id)
+            if request is None:
+                continue
+            outputs = request.output_token_ids
+            if token.position != request.prompt_len + len(outputs):
+                raise PlanRejected(
+                    f"{token.request_id}: token at position {token.position}, expected "
+                    f"{request.prompt_len + len(outputs)}"
+                )
+            outputs.append(token.token_id)
+            request.exit_depths.append(token.exit_depth)
+            events.append(
+                TokenEvent(token.request_id, len(outputs) - 1, token.token_id, token.exit_depth)
+            )
+            request.progress_mark = max(request.progress_mark, token.position)
+            self._progressed = True
+            sampling = request.spec.sampling
+            if eos is not None and token.token_id == eos and not sampling.ignore_eos:
+                self._finish(request, FinishReason.STOP)
+            elif len(outputs) >= sampling.max_tokens:
+                self._finish(request, FinishReason.LENGTH)
+
+    def _check_skipped(self, result: StepResult) -> None:
+        for request_id in result.skipped_request_ids:
+            if request_id in self.state.requests:
+                raise PlanRejected(f"executor skipped {request_id}, which has not finished")
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        state = self.state
+        if request.status is RequestStatus.RUNNING:
+            state.release_blocks(request)
+            state.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            state.waiting.discard(request)
+            state.host_blocks_used -= request.snapshot_pages * state.num_planes
+            request.snapshot_pages = 0
+        if request.on_executor:
+            state.pending_free.append(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del state.requests[request.request_id]
+        self._finished_count += 1
+        self._events.append(
+            FinishedEvent(
+                request_id=request.request_id,
+                reason=reason,
+                output_token_ids=tuple(request.output_token_ids),
+                exit_depths=tuple(request.exit_depths),
+                stats=RequestStats(
+                    preemptions=request.num_preemptions,
+                    restores=len(request.restore_modes),
+                    restore_modes=tuple(request.restore_modes),
+                    bypasses=request.bypasses,
+                    recomputed_tokens=request.recomputed_tokens,
+                    arrival_step=request.arrival_step,
+                    first_admitted_step=request.first_admitted_step,
+                    finished_step=state.step,
+                ),
+            )
+        )

@@ -1,0 +1,51 @@
+"""The seam where a step's admission and room-making decisions are made.
+
+Production uses ``KvgateStrategy`` (the one admission loop, preflighted preemption). The seam
+exists so benchmarks can replay other rules — the seed's pre-fix and post-fix admission, a
+vLLM-style rule — against the same state, executor and invariant checks, and show the difference.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvgate.admission_service.scheduler import admission, batch
+from kvgate.admission_service.scheduler.plan import PlanBuilder
+from kvgate.admission_service.scheduler.policy import EvictionReason
+from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
+from kvgate.admission_service.scheduler.request import Request
+from kvgate.admission_service.scheduler.state import SchedulerState
+
+
+class Strategy(Protocol):
+    name: str
+
+    def plan_step(self, state: SchedulerState, builder: PlanBuilder) -> None: ...
+
+    def make_room(
+        self, state: SchedulerState, builder: PlanBuilder, requester: Request, blocks_short: int
+    ) -> bool: ...
+
+
+class KvgateStrategy:
+    name = "kvgate"
+
+    def plan_step(self, state: SchedulerState, builder: PlanBuilder) -> None:
+        self.admit(state, builder)
+        batch.select_rows(state, builder, self)
+
+    def admit(self, state: SchedulerState, builder: PlanBuilder) -> None:
+        admission.admit(state, builder)
+
+    def make_room(
+        self, state: SchedulerState, builder: PlanBuilder, requester: Request, blocks_short: int
+    ) -> bool:
+        """Evict so that ``blocks_short`` more blocks are free for ``requester``'s next row —
+        all of it, or nothing when that is impossible (no ineffective preemption)."""
+        victims = find_victims(
+            state, requester, blocks_short, False, EvictionReason.GROWTH, builder
+        )
+        if victims is None:
+            return False
+        evict_all(state, victims, requester, EvictionReason.GROWTH, builder)
+        return True

@@ -1,0 +1,445 @@
+"""A deterministic simulated executor that honours block tables the way a real one does.
+
+The simulated model keeps one integer per K/V slot. The value a pass at depth ``d`` writes for
+position ``p`` mixes the token's hidden state from depth ``d - 1`` with a digest of everything the
+attention at plane ``d`` reads — positions ``[0, p)`` through the request's block table::
+
+    v(p, 0) = embed(token_p, p)
+    v(p, d) = mix(v(p, d-1), d, digest(plane d, positions [0, p)))      written to plane d, slot p
+    token   = mix(v(p, exit), seed, p + 1) % vocab                       sampled at the exit pass
+
+so a token is a pure function of (model seed, request seed, prompt, previous tokens, depths), and
+any wrong block id, overwritten block, missing plane copy, lost snapshot or bad recompute changes
+the outputs. Reading a slot nobody wrote is an error, never a silent zero. Hidden states between
+passes are read back from plane ``d - 1`` (the real executor keeps them in memory instead).
+
+Exit depths: a per-request trace, a fixed depth (``max_loops``), or a seeded hash of (request,
+position) within ``[min_loops, max_loops]`` — never a function of scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgate.admission_service.sim.hashing import mix, text_hash
+from kvgate.admission_service.sim.workload import ExitMode, ModelSection
+from kvgate.gpu_executor.api import (
+    DecodeOutcomes,
+    ErrorCode,
+    ExecutorCounters,
+    ExecutorInfo,
+    NewRequest,
+    SampledToken,
+    StepError,
+    StepPlan,
+    StepResult,
+)
+
+
+class SimulationError(RuntimeError):
+    """The plan asked for something a real executor would compute garbage from."""
+
+
+@dataclass(slots=True)
+class _SimRequest:
+    new: NewRequest
+    rid_hash: int
+    tables: list[list[int]]  # [plane][page] -> block id
+    outputs: list[int]
+    exit_depths: list[int]
+    fill_length: int
+    cursor_position: int = 0
+    cursor_token: int = 0
+    depth_done: int = 0
+    filled: bool = False
+    finished: bool = False
+
+    def token_at(self, position: int) -> int:
+        prompt = self.new.prompt_token_ids
+        return prompt[position] if position < len(prompt) else self.outputs[position - len(prompt)]
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    request: _SimRequest
+    pages: int
+    values: list[list[list[int | None]]] = field(default_factory=list)  # [plane][page][slot]
+
+
+class SimExecutor:
+    def __init__(
+        self,
+        model: ModelSection,
+        *,
+        num_blocks: int,
+        block_size: int,
+        host_snapshot_blocks: int,
+        executor_id: str = "sim-0",
+    ) -> None:
+        self.model = model
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.host_snapshot_blocks = host_snapshot_blocks
+        self.num_planes = model.loops
+        self.executor_id = executor_id
+        self._kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self._digests: list[int | None] = [None] * num_blocks
+        self._requests: dict[str, _SimRequest] = {}
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._host_used = 0
+
+    @property
+    def info(self) -> ExecutorInfo:
+        return ExecutorInfo(
+            executor_id=self.executor_id,
+            model_family="sim",
+            num_loops=self.num_planes,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            host_snapshot_blocks=self.host_snapshot_blocks,
+            vocab_size=self.model.vocab_size,
+            eos_token_id=self.model.eos_token_id,
+            max_model_len=1 << 30,
+            kv_bytes_per_block=8 * self.block_size,
+        )
+
+    @property
+    def counters(self) -> ExecutorCounters:
+        return ExecutorCounters(
+            num_requests=len(self._requests),
+            num_snapshots=len(self._snapshots),
+            host_blocks_used=self._host_used,
+        )
+
+    def reset(self) -> None:
+        self._requests.clear()
+        self._snapshots.clear()
+        self._host_used = 0
+
+    # --- the step ----------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        error = self._validate(plan)
+        if error is not None:
+            return StepResult(step_id=plan.step_id, error=error, counters=self.counters)
+        for request_id in plan.free:
+            self._requests.pop(request_id, None)
+            snapshot = self._snapshots.pop(request_id, None)
+            if snapshot is not None:
+                self._host_used -= snapshot.pages * self.num_planes
+        for request_id in plan.swap_out:
+            self._swap_out(request_id)
+        for new in plan.new_requests:
+            self._register(new)
+        for swap in plan.swap_in:
+            self._swap_in(swap.request_id, swap.block_ids)
+        for append in plan.block_appends:
+            tables = self._requests[append.request_id].tables
+            for plane, block_ids in enumerate(append.new_block_ids):
+                tables[plane].extend(block_ids)
+        tokens: list[SampledToken] = []
+        for row in plan.prefill_rows:
+            token = self._prefill(
+                self._requests[row.request_id],
+                row.token_start,
+                row.token_end,
+                row.depth_first,
+                row.depth_last,
+                row.completes_fill,
+            )
+            if token is not None:
+                tokens.append(token)
+        skipped: list[str] = []
+        ids: list[str] = []
+        positions: list[int] = []
+        depths: list[int] = []
+        exited: list[bool] = []
+        for request_id in plan.decode.request_ids:
+            request = self._requests[request_id]
+            if request.finished:
+                skipped.append(request_id)
+                continue
+            position, depth, token = self._decode_pass(request)
+            ids.append(request_id)
+            positions.append(position)
+            depths.append(depth)
+            exited.append(token is not None)
+            if token is not None:
+                tokens.append(token)
+        outcomes = DecodeOutcomes(
+            request_ids=ids, positions=positions, depths=depths, exited=exited
+        )
+        return StepResult(
+            step_id=plan.step_id,
+            tokens=tokens,
+            decode=outcomes,
+            skipped_request_ids=skipped,
+            counters=self.counters,
+        )
+
+    # --- validation (before any state changes) -------------------------------------------------
+    def _validate(self, plan: StepPlan) -> StepError | None:
+        known = set(self._requests)
+        snapshots = set(self._snapshots)
+        host = self._host_used
+        pages: dict[str, int] = {rid: len(r.tables[0]) for rid, r in self._requests.items()}
+        for rid in plan.free:
+            if rid not in known and rid not in snapshots:
+                return _err(ErrorCode.UNKNOWN_REQUEST, f"free of unknown request {rid}", rid)
+            known.discard(rid)
+            if rid in snapshots:
+                snapshots.discard(rid)
+                host -= self._snapshots[rid].pages * self.num_planes
+        for rid in plan.swap_out:
+            if rid not in known:
+                return _err(ErrorCode.UNKNOWN_REQUEST, f"swap-out of unknown request {rid}", rid)
+            known.discard(rid)
+            snapshots.add(rid)
+            host += pages.pop(rid) * self.num_planes
+        if host > self.host_snapshot_blocks:
+            return _err(
+                ErrorCode.HOST_BUDGET_EXCEEDED,
+                f"snapshots would use {host} host blocks of {self.host_snapshot_blocks}",
+            )
+        for new in plan.new_requests:
+            if new.request_id in known or new.request_id in snapshots:
+                return _err(
+                    ErrorCode.BAD_PLAN, f"request {new.request_id} already exists", new.request_id
+                )
+            known.add(new.request_id)
+            pages[new.request_id] = 0
+        for swap in plan.swap_in:
+            rid = swap.request_id
+            if rid not in snapshots:
+                return _err(ErrorCode.MISSING_SNAPSHOT, f"swap-in of {rid} without snapshot", rid)
+            expected = self._snapshots[rid].pages if rid in self._snapshots else None
+            problem = self._check_tables(swap.block_ids, expected)
+            if problem:
+                return _err(ErrorCode.BAD_PLAN, f"swap-in of {rid}: {problem}", rid)
+            snapshots.discard(rid)
+            known.add(rid)
+            pages[rid] = len(swap.block_ids[0])
+        for append in plan.block_appends:
+            rid = append.request_id
+            if rid not in known:
+                return _err(ErrorCode.UNKNOWN_REQUEST, f"block append for unknown {rid}", rid)
+            problem = self._check_tables(append.new_block_ids, None)
+            if problem:
+                return _err(ErrorCode.BAD_PLAN, f"block append for {rid}: {problem}", rid)
+            pages[rid] += len(append.new_block_ids[0])
+        for row in plan.prefill_rows:
+            rid = row.request_id
+            if rid not in known:
+                return _err(ErrorCode.UNKNOWN_REQUEST, f"prefill row for unknown {rid}", rid)
+            if row.depth_last > self.num_planes:
+                return _err(ErrorCode.BAD_PLAN, f"{rid}: depth {row.depth_last} > loops", rid)
+            if -(-row.token_end // self.block_size) > pages[rid]:
+                return _err(ErrorCode.BAD_PLAN, f"{rid}: rows reach past its block table", rid)
+        for rid, position, depth in zip(
+            plan.decode.request_ids, plan.decode.positions, plan.decode.depths, strict=True
+        ):
+            if rid not in known:
+                return _err(ErrorCode.UNKNOWN_REQUEST, f"decode row for unknown {rid}", rid)
+            request = self._requests.get(rid)
+            if request is None and rid in self._snapshots:
+                request = self._snapshots[rid].request
+            if request is None or request.finished:
+                continue
+            if not request.filled:
+                return _err(ErrorCode.BAD_PLAN, f"{rid}: decode row before its fill completed", rid)
+            if position is not None and position != request.cursor_position:
+                return _err(
+                    ErrorCode.BAD_PLAN,
+                    f"{rid}: decode expects position {position}, "
+                    f"cursor is at {request.cursor_position}",
+                    rid,
+                )
+            if depth is not None and depth != request.depth_done + 1:
+                return _err(
+                    ErrorCode.BAD_PLAN,
+                    f"{rid}: decode expects depth {depth}, next pass is {request.depth_done + 1}",
+                    rid,
+                )
+        return None
+
+    def _check_tables(self, block_ids: list[list[int]], expected_pages: int | None) -> str | None:
+        if len(block_ids) != self.num_planes:
+            return f"{len(block_ids)} planes, model has {self.num_planes}"
+        lengths = {len(plane) for plane in block_ids}
+        if len(lengths) != 1:
+            return "planes have different page counts"
+        if expected_pages is not None and lengths != {expected_pages}:
+            return f"{lengths.pop()} pages, snapshot has {expected_pages}"
+        if any(b >= self.num_blocks for plane in block_ids for b in plane):
+            return f"block id out of range (num_blocks {self.num_blocks})"
+        return None
+
+    # --- actions ---------------------------------------------------------------------------------
+    def _register(self, new: NewRequest) -> None:
+        outputs = list(new.output_token_ids)
+        prompt_len = len(new.prompt_token_ids)
+        self._requests[new.request_id] = _SimRequest(
+            new=new,
+            rid_hash=text_hash(new.request_id),
+            tables=[[] for _ in range(self.num_planes)],
+            outputs=outputs,
+            exit_depths=list(new.exit_depths),
+            fill_length=prompt_len + len(outputs) - 1 if outputs else prompt_len,
+        )
+
+    def _swap_out(self, request_id: str) -> None:
+        request = self._requests.pop(request_id)
+        values = [[list(self._kv[b]) for b in plane] for plane in request.tables]
+        pages = len(request.tables[0])
+        request.tables = [[] for _ in range(self.num_planes)]
+        self._snapshots[request_id] = _Snapshot(request, pages, values)
+        self._host_used += pages * self.num_planes
+
+    def _swap_in(self, request_id: str, block_ids: list[list[int]]) -> None:
+        snapshot = self._snapshots.pop(request_id)
+        self._host_used -= snapshot.pages * self.num_planes
+        for plane, ids in enumerate(block_ids):
+            for page, block in enumerate(ids):
+                self._kv[block] = list(snapshot.values[plane][page])
+                self._digests[block] = None
+        snapshot.request.tables = [list(ids) for ids in block_ids]
+        self._requests[request_id] = snapshot.request
+
+    # --- the simulated model -------------------------------------------------------------------
+    def _slot(self, request: _SimRequest, plane: int, position: int) -> tuple[int, int]:
+        page, offset = divmod(position, self.block_size)
+        return request.tables[plane - 1][page], offset
+
+    def _read(self, request: _SimRequest, plane: int, position: int) -> int:
+        block, offset = self._slot(request, plane, position)
+        value = self._kv[block][offset]
+        if value is None:
+            raise SimulationError(
+                f"{request.new.request_id}: K/V of position {position} at plane {plane} "
+                f"(block {block}) was never written"
+            )
+        return value
+
+    def _write(self, request: _SimRequest, plane: int, position: int, value: int) -> None:
+        block, offset = self._slot(request, plane, position)
+        self._kv[block][offset] = value
+        self._digests[block] = None
+
+    def _context(self, request: _SimRequest, plane: int, position: int) -> int:
+        """Digest of plane ``plane`` over positions ``[0, position)`` read through the table."""
+        full_pages, partial = divmod(position, self.block_size)
+        table = request.tables[plane - 1]
+        h = plane
+        for page in range(full_pages):
+            block = table[page]
+            digest = self._digests[block]
+            if digest is None:
+                slots = self._kv[block]
+                if None in slots:
+                    raise SimulationError(
+                        f"{request.new.request_id}: page {page} of plane {plane} has unwritten "
+                        "slots below the attended position"
+                    )
+                digest = mix(*slots)  # type: ignore[arg-type]
+                self._digests[block] = digest
+            h = mix(h, digest)
+        base = full_pages * self.block_size
+        for position_in_page in range(partial):
+            h = mix(h, self._read(request, plane, base + position_in_page))
+        return h
+
+    def _pass(self, request: _SimRequest, position: int, depth: int) -> int:
+        hidden = (
+            mix(self.model.seed, request.token_at(position), position)
+            if depth == 1
+            else self._read(request, depth - 1, position)
+        )
+        value = mix(hidden, depth, self._context(request, depth, position))
+        self._write(request, depth, position, value)
+        return value
+
+    def _copy_deeper(self, request: _SimRequest, position: int, depth: int, value: int) -> None:
+        for plane in range(depth + 1, self.num_planes + 1):
+            self._write(request, plane, position, value)
+
+    def _required_depth(self, request: _SimRequest, position: int) -> int:
+        prompt_len = len(request.new.prompt_token_ids)
+        if position < prompt_len:
+            return self.num_planes
+        return request.exit_depths[position - prompt_len + 1]
+
+    def _sample(self, request: _SimRequest, value: int, position: int, depth: int) -> SampledToken:
+        token = mix(value, request.new.sampling.seed, position) % self.model.vocab_size
+        request.outputs.append(token)
+        request.exit_depths.append(depth)
+        sampling = request.new.sampling
+        eos = self.model.eos_token_id
+        if (eos is not None and token == eos and not sampling.ignore_eos) or len(
+            request.outputs
+        ) >= sampling.max_tokens:
+            request.finished = True
+        return SampledToken(
+            request_id=request.new.request_id, position=position, token_id=token, exit_depth=depth
+        )
+
+    def _prefill(
+        self,
+        request: _SimRequest,
+        start: int,
+        end: int,
+        depth_first: int,
+        depth_last: int,
+        completes: bool,
+    ) -> SampledToken | None:
+        if end > request.fill_length:
+            raise SimulationError(f"{request.new.request_id}: row past the fill [{start},{end})")
+        last_value = 0
+        for depth in range(depth_first, depth_last + 1):
+            for position in range(start, end):
+                required = self._required_depth(request, position)
+                if required < depth:
+                    continue
+                value = self._pass(request, position, depth)
+                if required == depth:
+                    self._copy_deeper(request, position, depth, value)
+                if position == end - 1:
+                    last_value = value
+        if not completes:
+            return None
+        request.filled = True
+        if request.outputs:  # recompute restore: the next output is already known
+            request.cursor_position = request.fill_length
+            request.cursor_token = request.outputs[-1]
+            return None
+        token = self._sample(request, last_value, end, self.num_planes)
+        request.cursor_position = end
+        request.cursor_token = token.token_id
+        return token
+
+    def _exit_depth(self, request: _SimRequest, position: int) -> int:
+        loops = request.new.loops
+        top = min(loops.max_loops or self.num_planes, self.num_planes)
+        index = len(request.outputs)
+        if loops.exit_trace is not None:
+            return loops.exit_trace[index]
+        if self.model.exit is ExitMode.FIXED:
+            return top
+        bottom = min(loops.min_loops, top)
+        return bottom + mix(self.model.seed, request.rid_hash, position) % (top - bottom + 1)
+
+    def _decode_pass(self, request: _SimRequest) -> tuple[int, int, SampledToken | None]:
+        position = request.cursor_position
+        depth = request.depth_done + 1
+        value = self._pass(request, position, depth)
+        if depth < self._exit_depth(request, position):
+            request.depth_done = depth
+            return position, depth, None
+        self._copy_deeper(request, position, depth, value)
+        token = self._sample(request, value, position + 1, depth)
+        request.cursor_position = position + 1
+        request.cursor_token = token.token_id
+        request.depth_done = 0
+        return position, depth, token
+
+
+def _err(code: ErrorCode, message: str, request_id: str | None = None) -> StepError:
+    return StepError(code=code, message=message, request_id=request_id)

@@ -1,0 +1,250 @@
+"""Run a workload: scheduler + executor, step by step, with invariant checks and a reference run.
+
+The reference is the same workload on an unconstrained cache with preemption off; every request's
+outputs (token ids and exit depths) must equal it. Bounded bypass is also audited independently
+of the scheduler's own counters: before each step the waiting order is recorded, and every
+admission of a request behind a still-waiting one counts as one bypass of it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvgate.admission_service.scheduler.config import (
+    CacheConfig,
+    ModelShape,
+    PreemptionMode,
+)
+from kvgate.admission_service.scheduler.errors import (
+    InvariantViolation,
+    RequestRejected,
+    SchedulerStalled,
+)
+from kvgate.admission_service.scheduler.events import AdmissionKind, FinishedEvent
+from kvgate.admission_service.scheduler.request import RequestSpec
+from kvgate.admission_service.scheduler.scheduler import Scheduler
+from kvgate.admission_service.scheduler.strategy import Strategy
+from kvgate.admission_service.sim.executor import SimExecutor
+from kvgate.admission_service.sim.workload import Workload
+from kvgate.gpu_executor.api import (
+    ExecutorCounters,
+    LoopParams,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
+
+
+class StepExecutor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    @property
+    def counters(self) -> ExecutorCounters: ...
+
+
+ExecutorFactory = Callable[[Workload], StepExecutor]
+
+
+def sim_executor(workload: Workload) -> StepExecutor:
+    return SimExecutor(
+        workload.model,
+        num_blocks=workload.cache.num_blocks,
+        block_size=workload.cache.block_size,
+        host_snapshot_blocks=workload.cache.host_snapshot_blocks,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    step: int
+    spec: RequestSpec
+
+
+def arrivals(workload: Workload) -> list[Arrival]:
+    model = workload.model
+    out = []
+    for request in workload.requests:
+        spec = RequestSpec(
+            request_id=request.id,
+            prompt_token_ids=request.prompt_tokens(model),
+            sampling=SamplingParams(
+                max_tokens=request.max_tokens, seed=request.seed, ignore_eos=request.ignore_eos
+            ),
+            loops=LoopParams(min_loops=model.min_loops, exit_trace=request.exit_depths),
+            priority=request.priority,
+        )
+        out.append(Arrival(request.arrival_step, spec))
+    out.sort(key=lambda a: a.step)
+    return out
+
+
+def build_scheduler(workload: Workload, strategy: Strategy | None = None) -> Scheduler:
+    cache = CacheConfig(
+        num_blocks=workload.cache.num_blocks,
+        block_size=workload.cache.block_size,
+        host_snapshot_blocks=workload.cache.host_snapshot_blocks,
+        enable_prefix_caching=workload.cache.enable_prefix_caching,
+    )
+    model = ModelShape(num_loops=workload.model.loops, eos_token_id=workload.model.eos_token_id)
+    return Scheduler(workload.scheduler, cache, model, strategy)
+
+
+def unconstrained(workload: Workload) -> Workload:
+    """The reference variant: room for every request at once, preemption off."""
+    bs = workload.cache.block_size
+    model = workload.model
+    blocks = 1 + sum(
+        -(-(len(r.prompt_tokens(model)) + r.max_tokens - 1) // bs) * model.loops
+        for r in workload.requests
+    )
+    scheduler = workload.scheduler.model_copy(
+        update={
+            "preemption": PreemptionMode.OFF,
+            "max_num_seqs": max(1, min(len(workload.requests), 65536)),
+        }
+    )
+    cache = workload.cache.model_copy(update={"num_blocks": max(blocks, workload.cache.num_blocks)})
+    return workload.model_copy(update={"scheduler": scheduler, "cache": cache})
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    request_id: str
+    status: str  # finished | rejected | unfinished
+    reason: str | None = None
+    output_token_ids: tuple[int, ...] = ()
+    exit_depths: tuple[int, ...] = ()
+    event: FinishedEvent | None = None
+
+
+@dataclass(slots=True)
+class RunResult:
+    outcomes: dict[str, RequestOutcome]
+    steps: int = 0
+    preemptions: int = 0
+    restores: Counter[str] = field(default_factory=Counter)
+    audited_bypasses: Counter[str] = field(default_factory=Counter)
+    invariant_violations: list[str] = field(default_factory=list)
+    stalled: str | None = None
+    leaked_blocks: int = 0
+    leaked_snapshots: int = 0
+    leaked_executor_requests: int = 0
+    _audit_reported: set[str] = field(default_factory=set)
+    _violations_seen: set[str] = field(default_factory=set)
+
+
+def run_once(
+    workload: Workload,
+    *,
+    strategy: Strategy | None = None,
+    executor: StepExecutor | None = None,
+    check: bool = True,
+    audit: bool = True,
+) -> RunResult:
+    scheduler = build_scheduler(workload, strategy)
+    executor = executor or sim_executor(workload)
+    pending = deque(arrivals(workload))
+    result = RunResult(outcomes={})
+    results: deque[StepResult] = deque()
+    allowed = 2 if workload.scheduler.async_scheduling else 1
+    try:
+        for clock in range(workload.max_steps):
+            while pending and pending[0].step <= clock:
+                _arrive(scheduler, pending.popleft().spec, result)
+            if not (pending or results or scheduler.has_work):
+                break
+            plan = None
+            if scheduler.num_inflight < allowed:
+                before = _waiting_keys(scheduler) if audit else []
+                plan = scheduler.schedule(float(clock))
+                _record_step(scheduler, result, before, audit)
+                if check:
+                    _check(scheduler, result)
+            if plan is not None:
+                result.steps += 1
+                results.append(executor.execute(plan))
+            if results and (len(results) == allowed or plan is None):
+                for event in scheduler.apply(results.popleft()):
+                    if isinstance(event, FinishedEvent):
+                        result.outcomes[event.request_id] = RequestOutcome(
+                            event.request_id,
+                            "finished",
+                            event.reason.value,
+                            event.output_token_ids,
+                            event.exit_depths,
+                            event,
+                        )
+                if check:
+                    _check(scheduler, result)
+    except SchedulerStalled as exc:
+        result.stalled = str(exc)
+    for arrival in pending:
+        result.outcomes[arrival.spec.request_id] = RequestOutcome(
+            arrival.spec.request_id, "unfinished", "never arrived before max_steps"
+        )
+    for request in scheduler.state.requests.values():
+        result.outcomes.setdefault(
+            request.request_id, RequestOutcome(request.request_id, "unfinished")
+        )
+    if not scheduler.state.requests:
+        result.leaked_blocks = scheduler.state.pool.num_used_blocks
+        counters = executor.counters
+        result.leaked_snapshots = counters.num_snapshots + (scheduler.state.host_blocks_used > 0)
+        result.leaked_executor_requests = counters.num_requests
+    return result
+
+
+def _arrive(scheduler: Scheduler, spec: RequestSpec, result: RunResult) -> None:
+    try:
+        scheduler.add_request(spec)
+    except RequestRejected as exc:
+        result.outcomes[spec.request_id] = RequestOutcome(spec.request_id, "rejected", exc.reason)
+
+
+def _waiting_keys(scheduler: Scheduler) -> list[tuple[tuple[int, ...], str]]:
+    return [(r.key, r.request_id) for r in scheduler.waiting_order()]
+
+
+def _record_step(
+    scheduler: Scheduler,
+    result: RunResult,
+    waiting_before: list[tuple[tuple[int, ...], str]],
+    audit: bool,
+) -> None:
+    report = scheduler.last_report
+    result.preemptions += len(report.preemptions)
+    for _, kind in report.admitted:
+        if kind != AdmissionKind.FRESH:
+            result.restores[kind] += 1
+    if not audit or not report.admitted:
+        return
+    requests = scheduler.state.requests
+    admitted_keys = [requests[rid].key for rid, _ in report.admitted if rid in requests]
+    admitted_ids = {rid for rid, _ in report.admitted}
+    for key, request_id in waiting_before:
+        if request_id in admitted_ids:
+            continue
+        overtakes = sum(1 for k in admitted_keys if k > key)
+        if overtakes:
+            result.audited_bypasses[request_id] += overtakes
+
+
+def _check(scheduler: Scheduler, result: RunResult) -> None:
+    try:
+        scheduler.check_invariants()
+    except InvariantViolation as exc:
+        seen = result._violations_seen
+        for problem in exc.problems:
+            if problem not in seen:
+                seen.add(problem)
+                result.invariant_violations.append(problem)
+    limit = scheduler.config.max_admission_bypasses
+    for request_id, count in result.audited_bypasses.items():
+        if count > limit and request_id not in result._audit_reported:
+            result._audit_reported.add(request_id)
+            result.invariant_violations.append(
+                f"audit: {request_id} was overtaken {count} times (limit {limit})"
+            )
