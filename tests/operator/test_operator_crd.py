@@ -23,6 +23,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from kvgate.admission_service.scheduler.config import (
+    AdmissionPricing,
     CacheConfig,
     Mode,
     Policy,
@@ -207,6 +208,7 @@ def test_enums_mirror_the_python_settings(crd: dict[str, Any]) -> None:
     assert scheduler["policy"]["enum"] == [p.value for p in Policy]
     assert scheduler["mode"]["enum"] == [m.value for m in Mode]
     assert scheduler["preemption"]["enum"] == [m.value for m in PreemptionMode]
+    assert scheduler["admissionPricing"]["enum"] == [p.value for p in AdmissionPricing]
     assert spec["model"]["properties"]["family"]["enum"] == [f.value for f in ModelFamily]
     assert spec["model"]["properties"]["dtype"]["enum"] == [d.value for d in DType]
 
