@@ -11,12 +11,14 @@ import copy
 import types
 import typing
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import annotated_types
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from pydantic import BaseModel
 from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
@@ -344,3 +346,11 @@ def test_the_agreement_check_notices_drift(crd: dict[str, Any]) -> None:
     assert any("maxNumSeqs: bounds" in p for p in problems)
     assert any("dtype: enum" in p for p in problems)
     assert any("drainTimeoutSeconds: in ExecutorPoolSpec, not in the CRD" in p for p in problems)
+
+
+def test_the_documented_example_is_valid(crd: dict[str, Any]) -> None:
+    docs = Path(__file__).parents[2] / "docs" / "operator.md"
+    example = yaml.safe_load(docs.read_text().split("```yaml\n", 1)[1].split("```", 1)[0])
+    assert example["kind"] == "ExecutorPool"
+    assert _errors(crd, example) == []
+    parse_spec(example["metadata"]["name"], example["spec"])
