@@ -289,6 +289,9 @@ class KafkaSpec(_Spec):
     topics: KafkaTopics = KafkaTopics()
     group_id: Annotated[str, Field(min_length=1, max_length=255)] | None = None
     security: KafkaSecurity = KafkaSecurity()
+    # Whether the admission service creates missing topics when it starts (with its own
+    # partition and replication defaults). Off: topics are the Kafka administrator's.
+    create_topics: bool = False
 
 
 class TelemetrySpec(_Spec):

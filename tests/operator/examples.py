@@ -45,6 +45,7 @@ FULL_SPEC: dict[str, Any] = {
         "bootstrapServers": "kafka-0:9093,kafka-1:9093",
         "topics": {"tokens": "kvgate.tokens"},
         "groupId": "kvgate-prod",
+        "createTopics": True,
         "security": {
             "protocol": "SASL_SSL",
             "sasl": {

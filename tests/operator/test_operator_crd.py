@@ -140,6 +140,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("bootstrap", {"kafka": {"bootstrapServers": "a:1, b:2"}}, "does not match"),
     ("protocol", {"kafka": {"bootstrapServers": "k:1", "security": {"protocol": "TLS"}}}, "'TLS'"),
     ("topic", {"kafka": {"bootstrapServers": "k:1", "topics": {"requests": "a b"}}}, "match"),
+    ("create topics", {"kafka": {"bootstrapServers": "k:1", "createTopics": "yes"}}, "'yes'"),
     ("token secret", {"tokenSecret": {"key": "token"}}, "'name' is a required property"),
     ("admission replicas", {"admission": {"replicas": 2}}, "greater than the maximum of 1"),
     ("drain timeout", {"drainTimeoutSeconds": 0}, "less than the minimum of 1"),
