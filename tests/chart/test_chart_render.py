@@ -125,6 +125,23 @@ def test_one_executorpool_crd_shared_with_the_operator_tests() -> None:
     assert copies == [Path("charts/kvgate/crds/executorpools.kvgate.dev.yaml")]
 
 
+# Fields added to v1alpha1 after pools existed. The API server fills schema defaults into every
+# pool it returns, so a default here would show the field to an operator older than it (the
+# one still running during an upgrade, or one rolled back to), which refuses unknown fields:
+# every pool would turn InvalidSpec. The operator's model supplies the default instead.
+ADDED_FIELDS = [("kafka", "createTopics")]
+
+
+def test_fields_added_later_have_no_schema_default() -> None:
+    [version] = _crd("executorpools.kvgate.dev")["spec"]["versions"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for path in ADDED_FIELDS:
+        node = spec
+        for part in path:
+            node = node["properties"][part]
+        assert "default" not in node, path
+
+
 def test_example_pool_is_valid_for_the_crd_and_the_operator(rendered: Rendered) -> None:
     pools = rendered.of_kind("ExecutorPool")
     enabled = rendered.value_set.values.get("examplePool", {}).get("enabled", False)
