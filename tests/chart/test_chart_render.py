@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -114,14 +115,16 @@ def test_one_executorpool_crd_shared_with_the_operator_tests() -> None:
 
     assert CRD_PATH.resolve() == (CHART / "crds" / "executorpools.kvgate.dev.yaml").resolve()
     root = CHART.parents[1]
-    copies = [
-        path.relative_to(root)
-        for pattern in ("*.yaml", "*.yml", "*.json")
-        for path in root.rglob(pattern)
-        if ".venv" not in path.parts
-        and "kind: CustomResourceDefinition" in path.read_text(errors="replace")
-        and "executorpools.kvgate.dev" in path.read_text(errors="replace")
-    ]
+    copies = []
+    for directory, subdirectories, files in os.walk(root):
+        # Not into .git, .venv, caches: only the project's own files.
+        subdirectories[:] = [d for d in subdirectories if not d.startswith((".", "__"))]
+        for name in files:
+            if not name.endswith((".yaml", ".yml", ".json")):
+                continue
+            text = (Path(directory) / name).read_text(errors="replace")
+            if "CustomResourceDefinition" in text and "executorpools.kvgate.dev" in text:
+                copies.append((Path(directory) / name).relative_to(root))
     assert copies == [Path("charts/kvgate/crds/executorpools.kvgate.dev.yaml")]
 
 

@@ -90,7 +90,7 @@ VALUE_SETS: tuple[ValueSet, ...] = (
                             "subPath": "ouro-1.4b",
                         },
                         "loops": 4,
-                        "exitPolicy": "entropy:0.3",
+                        "exitPolicy": "gate",
                     },
                     "resources": {"requests": {"cpu": "8", "memory": "64Gi"}},
                     "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
