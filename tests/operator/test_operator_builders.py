@@ -156,8 +156,8 @@ def test_executor_command_line() -> None:
     fraction = executor_args(spec(kvCache={"memoryFraction": 0.85, "hostSnapshotBlocks": 64}))
     assert arg(fraction, "--memory-fraction") == "0.85"
     assert arg(fraction, "--host-snapshot-blocks") == "64"
-    looped = {"family": "looped", "path": "/m", "exitPolicy": "entropy:0.3"}
-    assert arg(executor_args(spec(model=looped)), "--exit-policy") == "entropy:0.3"
+    looped = {"family": "looped", "path": "/m", "exitPolicy": "gate"}
+    assert arg(executor_args(spec(model=looped)), "--exit-policy") == "gate"
 
 
 def test_model_volume_is_mounted_read_only() -> None:
