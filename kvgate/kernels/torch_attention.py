@@ -3,23 +3,22 @@
 Two phases. :func:`plan_attention_torch` reads the step's metadata once (block tables, query
 offsets, lengths: the same for every layer of a step) and turns it into an :class:`AttentionPlan`
 of index tensors and masks. :func:`paged_attention_torch` then runs one layer with that plan and
-touches no Python lists: per decode group one ``index_select`` of whole blocks for K and one for
-V, and torch's fused ``scaled_dot_product_attention`` over the gathered blocks as strided views
-(grouped-query heads natively, no upcast for float32 caches):
+touches no Python lists:
+
+* decode rows (one query each), sorted by length and batched in groups bounded in memory and in
+  padding: :mod:`torch_decode` reads them straight from the cache (float32 caches whose head
+  vectors are packed, which is how the executor lays them out); otherwise each position's K/V is
+  gathered, upcast to float32 and handed to torch's ``scaled_dot_product_attention``;
+* rows with several queries (prefill chunks), one at a time in bounded query chunks, because
+  padding a long chunk and a short decode row to one shape would waste memory quadratically: the
+  row's whole blocks are gathered with one ``index_select`` each for K and V and read by SDPA as
+  a strided view:
 
 ```
 cache layer view  [num_blocks, block_size, Hkv, D]  (strided in dim 0: other layers between)
-  index_select(0, block_ids[n * blocks_per_row])  -> [n * blocks_per_row, block_size, Hkv, D]
-  view                                            -> [n, blocks_per_row * block_size, Hkv, D]
-  [:, :max_len].transpose(1, 2)                   -> [n, Hkv, max_len, D]   (no copy)
+  index_select(0, block_ids[blocks_per_row])      -> [blocks_per_row, block_size, Hkv, D]
+  view, [:seq_len], transpose                     -> [1, Hkv, seq_len, D]   (no copy)
 ```
-
-Decode rows (one query each) are sorted by length and batched in groups bounded in memory and in
-padding; rows with several queries (prefill chunks) run one at a time in bounded query chunks,
-because padding a long chunk and a short decode row to one shape would waste memory
-quadratically. Gathered positions past a row's length (the tail of its last block, or padding up
-to the group's longest row) are zeroed before the masked softmax reads them: a masked score
-gives an exact zero weight, but zero times NaN from unwritten memory is NaN.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.kernels.checks import check_attention_metadata, check_attention_shapes
+from kvgate.kernels.torch_decode import DecodeSlots, decode_attention, row_table
 
 # Upper bound on gathered context positions (rows x padded length) per batched decode group and
 # on query tokens per prefill chunk: keeps peak memory near a few hundred MiB at 32 heads x 128.
@@ -41,22 +41,9 @@ _MAX_PADDING_FACTOR = 2
 
 
 @dataclass(frozen=True)
-class _Gather:
-    """Whole blocks of ``n`` rows, each padded to ``max_len`` positions."""
-
-    block_ids: torch.Tensor  # int64 [n * blocks_per_row]; ids past a row's context read block 0
-    num_rows: int
-    blocks_per_row: int
-    max_len: int
-    # Gathered positions past each row's length, zeroed after the gather; None: there are none.
-    tail: tuple[torch.Tensor, torch.Tensor] | None  # int64 [m] row index, int64 [m] position
-
-
-@dataclass(frozen=True)
 class _DecodeGroup:
     tokens: torch.Tensor | slice  # query tokens of the group's rows, in row order
-    gather: _Gather
-    visible: torch.Tensor | None  # bool [n, 1, 1, max_len]; None: every position visible
+    slots: DecodeSlots
 
 
 @dataclass(frozen=True)
@@ -68,7 +55,8 @@ class _QueryChunk:
 
 @dataclass(frozen=True)
 class _ChunkRow:
-    gather: _Gather  # one row
+    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]: the row's blocks
+    seq_len: int
     chunks: tuple[_QueryChunk, ...]
 
 
@@ -115,28 +103,6 @@ class AttentionPlan:
                 f"plan was made for (num_tokens, num_blocks, block_size) = {planned}, "
                 f"got {geometry}"
             )
-
-
-def _plan_gather(
-    tables: list[list[int]], lengths: list[int], max_len: int, block_size: int
-) -> _Gather:
-    """Gather indices for rows with block tables ``tables`` and context ``lengths``."""
-    blocks_per_row = -(-max_len // block_size)
-    block_ids: list[int] = []
-    tail_rows: list[int] = []
-    tail_positions: list[int] = []
-    for row, (table, length) in enumerate(zip(tables, lengths, strict=True)):
-        used = -(-length // block_size)
-        # Table entries past a row's context may hold anything, even out-of-range ids.
-        block_ids += table[:used] + [0] * (blocks_per_row - used)
-        tail_rows += [row] * (max_len - length)
-        tail_positions += range(length, max_len)
-    tail = None
-    if tail_rows:
-        tail = (torch.tensor(tail_rows), torch.tensor(tail_positions))
-    return _Gather(
-        torch.tensor(block_ids, dtype=torch.int64), len(tables), blocks_per_row, max_len, tail
-    )
 
 
 def _token_index(tokens: list[int]) -> torch.Tensor | slice:
@@ -192,20 +158,17 @@ def plan_attention_torch(
     )
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    tables = block_tables.tolist()
+    tables = block_tables.to(torch.int64)
     q_lens = [starts[r + 1] - starts[r] for r in range(len(lens))]
     padding = [t for r, n in enumerate(lens) if n == 0 for t in range(starts[r], starts[r + 1])]
     decode_rows = [r for r, n in enumerate(lens) if n > 0 and q_lens[r] == 1]
     groups = []
     for rows in _decode_groups(decode_rows, lens) if decode_rows else []:
         lengths = [lens[r] for r in rows]
-        max_len = max(lengths)
-        visible = None
-        if min(lengths) < max_len:
-            length_tensor = torch.tensor(lengths)
-            visible = (torch.arange(max_len)[None, :] < length_tensor[:, None])[:, None, None, :]
-        gather = _plan_gather([tables[r] for r in rows], lengths, max_len, block_size)
-        groups.append(_DecodeGroup(_token_index([starts[r] for r in rows]), gather, visible))
+        slots = DecodeSlots.build(
+            tables[rows], torch.tensor(lengths), max(lengths), block_size=block_size
+        )
+        groups.append(_DecodeGroup(_token_index([starts[r] for r in rows]), slots))
     chunk_rows = []
     for r, seq_len in enumerate(lens):
         if seq_len == 0 or q_lens[r] <= 1:
@@ -221,8 +184,8 @@ def plan_attention_torch(
             if end - begin > 1:
                 visible = (torch.arange(visible_len)[None, :] <= positions[:, None])[None, None]
             chunks.append(_QueryChunk(slice(begin, end), visible_len, visible))
-        gather = _plan_gather([tables[r]], [seq_len], seq_len, block_size)
-        chunk_rows.append(_ChunkRow(gather, tuple(chunks)))
+        block_ids = tables[r, : -(-seq_len // block_size)]
+        chunk_rows.append(_ChunkRow(block_ids, seq_len, tuple(chunks)))
     return AttentionPlan(
         block_tables=block_tables,
         query_start_loc=query_start_loc,
@@ -236,21 +199,25 @@ def plan_attention_torch(
     )
 
 
-def _gather(
+def _gather_row(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
-    gather: _Gather,
-) -> torch.Tensor:  # [n, num_kv_heads, max_len, head_dim] (a strided view), float32 or wider
-    """The rows' contexts, copied block by block; zero past each row's length."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    blocks = cache.index_select(0, gather.block_ids)
-    if blocks.dtype not in (torch.float32, torch.float64):
+    row: _ChunkRow,
+) -> torch.Tensor:  # [1, num_kv_heads, seq_len, head_dim] (a strided view), float32
+    """One row's context, copied block by block."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    blocks = cache.index_select(0, row.block_ids)
+    if blocks.dtype != torch.float32:
         blocks = blocks.float()  # half-precision inputs: accumulate in float32
-    positions = blocks.view(
-        gather.num_rows, gather.blocks_per_row * block_size, num_kv_heads, head_dim
-    )
-    if gather.tail is not None:
-        positions[gather.tail] = 0.0
-    return positions[:, : gather.max_len].transpose(1, 2)
+    positions = blocks.view(1, -1, num_kv_heads, head_dim)[:, : row.seq_len]
+    return positions.transpose(1, 2)
+
+
+def _gather_positions(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    slots: DecodeSlots,
+) -> torch.Tensor:  # [n, num_kv_heads, max_len, head_dim] (a strided view), float32
+    """Decode rows' contexts, position by position (caches :mod:`torch_decode` cannot read)."""
+    return cache[slots.block_ids, slots.offsets].float().transpose(1, 2)
 
 
 def paged_attention_torch(
@@ -299,16 +266,25 @@ def paged_attention_torch(
             enable_gqa=True,
         )
 
+    key_table, value_table = row_table(key_cache), row_table(value_cache)
     for group in plan.decode_groups:
-        keys = _gather(key_cache, group.gather)
-        values = _gather(value_cache, group.gather)
-        q = query[group.tokens][:, :, None]  # [n, num_q_heads, 1, head_dim]
-        result = attend(q, keys, values, group.visible)
-        out[group.tokens] = result[:, :, 0].to(out.dtype)
+        q = query[group.tokens]  # [n, num_q_heads, head_dim]
+        if key_table is not None and value_table is not None and key_table[1] == value_table[1]:
+            result = decode_attention(
+                q.float(), key_table[0], value_table[0], key_table[1], key_cache.shape[2],
+                group.slots, softmax_scale,
+            )  # fmt: skip
+        else:
+            keys = _gather_positions(key_cache, group.slots)
+            values = _gather_positions(value_cache, group.slots)
+            hidden = group.slots.hidden
+            visible = None if hidden is None else ~hidden[:, None]  # [n, 1, 1, max_len]
+            result = attend(q[:, :, None], keys, values, visible)[:, :, 0]
+        out[group.tokens] = result.to(out.dtype)
 
     for row in plan.chunk_rows:
-        keys = _gather(key_cache, row.gather)
-        values = _gather(value_cache, row.gather)
+        keys = _gather_row(key_cache, row)
+        values = _gather_row(value_cache, row)
         for chunk in row.chunks:
             q = query[chunk.tokens].transpose(0, 1)[None]  # [1, num_q_heads, q, head_dim]
             seen = slice(0, chunk.visible_len)

@@ -106,23 +106,23 @@ def test_decode_groups_bound_padding(torch_backend: None) -> None:
     plan = _plan(batch)
     assert isinstance(plan, kernels.AttentionPlan)
     # Sorted by length: {3, 4, 5} and {85, 90}; never all five padded to 90.
-    groups = [g.gather for g in plan.decode_groups]
-    assert [(g.num_rows, g.max_len) for g in groups] == [(3, 5), (2, 90)]
+    shapes = [tuple(g.slots.block_ids.shape) for g in plan.decode_groups]
+    assert shapes == [(3, 5), (2, 90)]
     out = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
     assert_matches_reference(batch, out)
 
 
 def test_decode_rows_in_order_read_query_as_a_slice(torch_backend: None) -> None:
-    """Equal-length decode rows stay in token order (no index copies), need no mask and no
-    zeroing: the NaN-poisoned rest of each last block lies past ``max_len`` and is sliced off."""
+    """Equal-length decode rows stay in token order (no index copies) and need no mask: the
+    NaN-poisoned rest of each last block lies past ``max_len`` and is never read."""
     batch = build_batch(
         [Row(5, 20)] + [Row(1, 37)] * 4, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=8
     )
     plan = _plan(batch)
     assert isinstance(plan, kernels.AttentionPlan)
     (group,) = plan.decode_groups
-    assert group.tokens == slice(5, 9) and group.visible is None
-    assert group.gather.tail is None and group.gather.max_len == 37
+    assert group.tokens == slice(5, 9) and group.slots.hidden is None
+    assert group.slots.block_ids.shape == (4, 37)
     assert_matches_reference(batch, kernels.paged_attention(*batch.args(), 1 / 8, plan=plan))
 
 

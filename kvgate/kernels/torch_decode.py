@@ -1,0 +1,130 @@
+"""Decode attention read straight out of the paged cache: K in cache-sized pieces, V not copied.
+
+A decode row has one query per head, so attention is memory-bound: the cost is how often the
+row's K/V bytes travel. Gathering both into a padded tensor and handing it to SDPA moves them
+three times (read, write the copy, read the copy). Here V is never copied and K's copy stays in
+the L2 cache while it is read:
+
+```
+cache layer view [num_blocks, block_size, Hkv, D], head vectors contiguous, read as a table of
+head vectors [rows, D]:    row(block, offset, kv_head) = block * block_rows + offset * Hkv + kv_head
+
+keys   = embedding(key_rows, table_k)            [rows of a piece * Hkv, L, D]  (piece: ~1 MiB)
+scores = (scale * q) @ keys^T                    [n * Hkv, group, L]            (piece by piece)
+probs  = softmax(scores, masked past each row's length)                 = [n * Hq, L]
+out    = embedding_bag(value_rows, table_v, per_sample_weights=probs)   = sum_p probs * V[row]
+```
+
+Positions past a row's length (padding up to the group's longest row) read the row's position 0,
+which holds data: their score is masked to ``-inf``, so their weight is exactly zero and
+``0 * V`` is zero (a padding slot of unwritten memory could hold NaN, and ``0 * NaN`` is NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# Gathered keys per piece: half of a typical 2 MiB per-core L2, so the copy is still cached
+# when the score matmul reads it.
+_PIECE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class DecodeSlots:
+    """Where each context position of ``n`` decode rows (padded to ``max_len``) lives.
+
+    The row indices depend on the cache view's strides, known only per call; they are computed
+    on first use and kept for the other layers of the step (``_rows``).
+    """
+
+    block_ids: torch.Tensor  # int64 [n, max_len]; padding positions: the row's position 0
+    offsets: torch.Tensor  # int64 [n, max_len]; offset in the block
+    hidden: torch.Tensor | None  # bool [n, 1, max_len]: past the row's length; None: none are
+    _rows: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @classmethod
+    def build(
+        cls,
+        tables: torch.Tensor,  # int64 [n, max_blocks_per_row]
+        lengths: torch.Tensor,  # int64 [n], each >= 1
+        max_len: int,
+        block_size: int,
+    ) -> DecodeSlots:
+        positions = torch.arange(max_len)
+        n = tables.shape[0]
+        # Columns past a row's context may hold anything: only read where the position is real.
+        block_ids = tables.gather(1, (positions // block_size).expand(n, max_len))
+        inside = positions[None, :] < lengths[:, None]  # [n, max_len]
+        block_ids = torch.where(inside, block_ids, tables[:, :1])
+        offsets = torch.where(inside, positions % block_size, 0)
+        hidden = None if bool(inside.all()) else ~inside[:, None, :]
+        return cls(block_ids, offsets, hidden)
+
+    def rows(self, block_rows: int, num_kv_heads: int, group: int) -> tuple[torch.Tensor, ...]:
+        """Table rows of every position's K per KV head, ``[n, Hkv, max_len]``, and V per query
+        head, ``[n * Hq, max_len]``."""
+        key = (block_rows, num_kv_heads, group)
+        if key not in self._rows:
+            slot_rows = self.block_ids * block_rows + self.offsets * num_kv_heads
+            key_rows = slot_rows[:, None, :] + torch.arange(num_kv_heads)[None, :, None]
+            # Query head h reads KV head h // group: each KV head's rows repeat for its group.
+            value_rows = key_rows.repeat_interleave(group, dim=1) if group > 1 else key_rows
+            self._rows[key] = (key_rows, value_rows.flatten(0, 1))
+        return self._rows[key]
+
+
+def row_table(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+) -> tuple[torch.Tensor, int] | None:  # ([rows, head_dim], block_rows) or None
+    """The cache view as a table of head vectors, and the table rows between two blocks.
+
+    ``None`` where that reading does not exist (head vectors not packed as ``[block_size, Hkv,
+    D]`` inside a block, or a block stride that is not a whole number of rows) or does not pay
+    (half precision: the copy path upcasts and accumulates in float32 instead).
+    """
+    num_kv_heads, head_dim = cache.shape[2:]
+    block_stride, offset_stride, head_stride, dim_stride = cache.stride()
+    packed = (dim_stride, head_stride, offset_stride) == (1, head_dim, num_kv_heads * head_dim)
+    if cache.dtype != torch.float32 or not packed or block_stride % head_dim != 0:
+        return None
+    # Row r of the table starts r * head_dim elements after the view's first element, so the
+    # view's element (b, o, h, :) is row b * block_stride / D + o * Hkv + h.
+    elements = cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset()
+    table = cache.as_strided((elements // head_dim, head_dim), (head_dim, 1))
+    return table, block_stride // head_dim
+
+
+def decode_attention(
+    query: torch.Tensor,  # [n, num_q_heads, head_dim], float32
+    key_table: torch.Tensor,  # [rows, head_dim] from row_table
+    value_table: torch.Tensor,  # [rows, head_dim]
+    block_rows: int,
+    num_kv_heads: int,
+    slots: DecodeSlots,
+    softmax_scale: float,
+) -> torch.Tensor:  # float32 [n, num_q_heads, head_dim]
+    """One query per row over the row's context (see the module docstring)."""
+    n, num_q_heads, head_dim = query.shape
+    group = num_q_heads // num_kv_heads
+    max_len = slots.block_ids.shape[1]
+    key_rows, value_rows = slots.rows(block_rows, num_kv_heads, group)
+    # [n * Hkv, group, D]: query heads of one KV head side by side; the scale folded in once.
+    q = (query * softmax_scale).view(n * num_kv_heads, group, head_dim)
+    scores = torch.empty(n * num_kv_heads, group, max_len)
+    rows_per_piece = max(1, _PIECE_BYTES // (num_kv_heads * max_len * head_dim * 4))
+    for begin in range(0, n, rows_per_piece):
+        end = min(begin + rows_per_piece, n)
+        heads = slice(begin * num_kv_heads, end * num_kv_heads)
+        keys = F.embedding(key_rows[begin:end].flatten(), key_table)
+        torch.bmm(q[heads], keys.view(-1, max_len, head_dim).transpose(1, 2), out=scores[heads])
+    scores = scores.view(n, num_q_heads, max_len)
+    if slots.hidden is not None:
+        scores.masked_fill_(slots.hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(n * num_q_heads, max_len)
+    out = F.embedding_bag(value_rows, value_table, mode="sum", per_sample_weights=probs)
+    return out.view(n, num_q_heads, head_dim)
