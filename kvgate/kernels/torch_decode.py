@@ -43,7 +43,7 @@ class DecodeSlots:
     block_ids: torch.Tensor  # int64 [n, max_len]; padding positions: the row's position 0
     offsets: torch.Tensor  # int64 [n, max_len]; offset in the block
     hidden: torch.Tensor | None  # bool [n, 1, max_len]: past the row's length; None: none are
-    _rows: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = field(
+    _rows: dict[tuple[int, int, int, int], _TableRows] = field(
         default_factory=dict, compare=False, repr=False
     )
 
@@ -65,17 +65,32 @@ class DecodeSlots:
         hidden = None if bool(inside.all()) else ~inside[:, None, :]
         return cls(block_ids, offsets, hidden)
 
-    def rows(self, block_rows: int, num_kv_heads: int, group: int) -> tuple[torch.Tensor, ...]:
-        """Table rows of every position's K per KV head, ``[n, Hkv, max_len]``, and V per query
-        head, ``[n * Hq, max_len]``."""
-        key = (block_rows, num_kv_heads, group)
+    def rows(self, block_rows: int, num_kv_heads: int, group: int, head_dim: int) -> _TableRows:
+        """Table rows of every position's K and V for one cache layout (kept for later layers)."""
+        key = (block_rows, num_kv_heads, group, head_dim)
         if key not in self._rows:
-            slot_rows = self.block_ids * block_rows + self.offsets * num_kv_heads
-            key_rows = slot_rows[:, None, :] + torch.arange(num_kv_heads)[None, :, None]
-            # Query head h reads KV head h // group: each KV head's rows repeat for its group.
-            value_rows = key_rows.repeat_interleave(group, dim=1) if group > 1 else key_rows
-            self._rows[key] = (key_rows, value_rows.flatten(0, 1))
+            self._rows[key] = _TableRows.build(self, block_rows, num_kv_heads, group, head_dim)
         return self._rows[key]
+
+
+@dataclass(frozen=True)
+class _TableRows:
+    key_pieces: tuple[torch.Tensor, ...]  # int64 [rows_per_piece * Hkv * max_len] (last: fewer)
+    rows_per_piece: int
+    value_rows: torch.Tensor  # int64 [n * Hq, max_len]
+
+    @classmethod
+    def build(
+        cls, slots: DecodeSlots, block_rows: int, num_kv_heads: int, group: int, head_dim: int
+    ) -> _TableRows:
+        max_len = slots.block_ids.shape[1]
+        slot_rows = slots.block_ids * block_rows + slots.offsets * num_kv_heads
+        key_rows = slot_rows[:, None, :] + torch.arange(num_kv_heads)[None, :, None]
+        rows_per_piece = max(1, _PIECE_BYTES // (num_kv_heads * max_len * head_dim * 4))
+        key_pieces = tuple(p.flatten() for p in torch.split(key_rows, rows_per_piece))
+        # Query head h reads KV head h // group: each KV head's rows repeat for its group.
+        value_rows = key_rows.repeat_interleave(group, dim=1) if group > 1 else key_rows
+        return cls(key_pieces, rows_per_piece, value_rows.flatten(0, 1))
 
 
 def row_table(
@@ -112,19 +127,18 @@ def decode_attention(
     n, num_q_heads, head_dim = query.shape
     group = num_q_heads // num_kv_heads
     max_len = slots.block_ids.shape[1]
-    key_rows, value_rows = slots.rows(block_rows, num_kv_heads, group)
+    rows = slots.rows(block_rows, num_kv_heads, group, head_dim)
     # [n * Hkv, group, D]: query heads of one KV head side by side; the scale folded in once.
     q = (query * softmax_scale).view(n * num_kv_heads, group, head_dim)
     scores = torch.empty(n * num_kv_heads, group, max_len)
-    rows_per_piece = max(1, _PIECE_BYTES // (num_kv_heads * max_len * head_dim * 4))
-    for begin in range(0, n, rows_per_piece):
-        end = min(begin + rows_per_piece, n)
-        heads = slice(begin * num_kv_heads, end * num_kv_heads)
-        keys = F.embedding(key_rows[begin:end].flatten(), key_table)
-        torch.bmm(q[heads], keys.view(-1, max_len, head_dim).transpose(1, 2), out=scores[heads])
+    heads_per_piece = rows.rows_per_piece * num_kv_heads
+    for i, key_rows in enumerate(rows.key_pieces):
+        heads = slice(i * heads_per_piece, (i + 1) * heads_per_piece)
+        keys = torch.embedding(key_table, key_rows).view(-1, max_len, head_dim)
+        torch.bmm(q[heads], keys.transpose(1, 2), out=scores[heads])
     scores = scores.view(n, num_q_heads, max_len)
     if slots.hidden is not None:
         scores.masked_fill_(slots.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(n * num_q_heads, max_len)
-    out = F.embedding_bag(value_rows, value_table, mode="sum", per_sample_weights=probs)
+    out = F.embedding_bag(rows.value_rows, value_table, mode="sum", per_sample_weights=probs)
     return out.view(n, num_q_heads, head_dim)

@@ -20,12 +20,15 @@ def write_kv_torch(
 ) -> None:
     """Same contract as :func:`kvgate.kernels.write_kv`, with torch index assignment."""
     check_write_kv(key, value, key_cache, value_cache, slot_mapping)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    slots = slot_mapping
+    if bool((slot_mapping < 0).any()):  # padding tokens: drop them (rare; masking copies)
+        keep = slot_mapping >= 0
+        slots, key, value = slot_mapping[keep], key[keep], value[keep]
     block_size = key_cache.shape[1]
-    # Indexing assignment writes through views, so per-layer views of a 5-D cache work.
-    key_cache[slots // block_size, slots % block_size] = key[keep]
-    value_cache[slots // block_size, slots % block_size] = value[keep]
+    at = (slots // block_size, slots % block_size)
+    # index_put_ writes through views, so per-layer views of a 5-D cache work.
+    key_cache.index_put_(at, key)
+    value_cache.index_put_(at, value)
 
 
 def copy_slots_torch(
