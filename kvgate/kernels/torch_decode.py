@@ -75,22 +75,36 @@ class DecodeSlots:
 
 @dataclass(frozen=True)
 class _TableRows:
+    """Table rows of one decode group for one cache layout, and the group's workspace.
+
+    The workspace is reused by every layer: fresh buffers of this size would be mapped from the
+    OS and page-faulted in on every call, which costs as much as the copy itself.
+    """
+
     key_pieces: tuple[torch.Tensor, ...]  # int64 [rows_per_piece * Hkv * max_len] (last: fewer)
     rows_per_piece: int
     value_rows: torch.Tensor  # int64 [n * Hq, max_len]
+    keys: torch.Tensor  # float32 [rows_per_piece * Hkv * max_len, D]: one piece's gathered keys
+    scores: torch.Tensor  # float32 [n * Hkv, group, max_len]: scores, then probabilities
 
     @classmethod
     def build(
         cls, slots: DecodeSlots, block_rows: int, num_kv_heads: int, group: int, head_dim: int
     ) -> _TableRows:
-        max_len = slots.block_ids.shape[1]
+        n, max_len = slots.block_ids.shape
         slot_rows = slots.block_ids * block_rows + slots.offsets * num_kv_heads
         key_rows = slot_rows[:, None, :] + torch.arange(num_kv_heads)[None, :, None]
         rows_per_piece = max(1, _PIECE_BYTES // (num_kv_heads * max_len * head_dim * 4))
         key_pieces = tuple(p.flatten() for p in torch.split(key_rows, rows_per_piece))
         # Query head h reads KV head h // group: each KV head's rows repeat for its group.
         value_rows = key_rows.repeat_interleave(group, dim=1) if group > 1 else key_rows
-        return cls(key_pieces, rows_per_piece, value_rows.flatten(0, 1))
+        return cls(
+            key_pieces=key_pieces,
+            rows_per_piece=rows_per_piece,
+            value_rows=value_rows.flatten(0, 1),
+            keys=torch.empty(key_pieces[0].numel(), head_dim),
+            scores=torch.empty(n * num_kv_heads, group, max_len),
+        )
 
 
 def row_table(
@@ -130,15 +144,20 @@ def decode_attention(
     rows = slots.rows(block_rows, num_kv_heads, group, head_dim)
     # [n * Hkv, group, D]: query heads of one KV head side by side; the scale folded in once.
     q = (query * softmax_scale).view(n * num_kv_heads, group, head_dim)
-    scores = torch.empty(n * num_kv_heads, group, max_len)
+    scores = rows.scores
     heads_per_piece = rows.rows_per_piece * num_kv_heads
     for i, key_rows in enumerate(rows.key_pieces):
         heads = slice(i * heads_per_piece, (i + 1) * heads_per_piece)
-        keys = torch.embedding(key_table, key_rows).view(-1, max_len, head_dim)
-        torch.bmm(q[heads], keys.transpose(1, 2), out=scores[heads])
-    scores = scores.view(n, num_q_heads, max_len)
+        keys = torch.index_select(key_table, 0, key_rows, out=rows.keys[: key_rows.shape[0]])
+        torch.bmm(q[heads], keys.view(-1, max_len, head_dim).transpose(1, 2), out=scores[heads])
+    probs = scores.view(n, num_q_heads, max_len)
     if slots.hidden is not None:
-        scores.masked_fill_(slots.hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(n * num_q_heads, max_len)
-    out = F.embedding_bag(rows.value_rows, value_table, mode="sum", per_sample_weights=probs)
+        probs.masked_fill_(slots.hidden, float("-inf"))
+    # Softmax in place (a new tensor of this size would be page-faulted in, see _TableRows).
+    probs -= probs.amax(dim=-1, keepdim=True)
+    probs.exp_()
+    probs /= probs.sum(dim=-1, keepdim=True)
+    out = F.embedding_bag(
+        rows.value_rows, value_table, mode="sum", per_sample_weights=probs.view(-1, max_len)
+    )
     return out.view(n, num_q_heads, head_dim)
