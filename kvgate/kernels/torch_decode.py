@@ -74,17 +74,27 @@ class DecodeSlots:
 
 
 @dataclass(frozen=True)
+class _Piece:
+    """Rows ``[first_row, first_row + m)`` of a decode group: K gathered and scored together."""
+
+    heads: int  # m * Hkv: the piece's rows of the [n * Hkv, group, D] query
+    key_rows: torch.Tensor  # int64 [m * Hkv * max_len]
+    keys: torch.Tensor  # float32 [m * Hkv * max_len, D], a view of the workspace
+    keys_t: torch.Tensor  # float32 [m * Hkv, D, max_len], the same memory transposed
+    scores: torch.Tensor  # float32 [m * Hkv, group, max_len], a view of the workspace
+
+
+@dataclass(frozen=True)
 class _TableRows:
     """Table rows of one decode group for one cache layout, and the group's workspace.
 
-    The workspace is reused by every layer: fresh buffers of this size would be mapped from the
-    OS and page-faulted in on every call, which costs as much as the copy itself.
+    The workspace (one piece's keys, every row's scores) and views into it are made once and
+    reused by every layer: buffers of this size allocated per call would be mapped from the OS
+    and page-faulted in each time, which costs as much as the copy itself.
     """
 
-    key_pieces: tuple[torch.Tensor, ...]  # int64 [rows_per_piece * Hkv * max_len] (last: fewer)
-    rows_per_piece: int
+    pieces: tuple[_Piece, ...]
     value_rows: torch.Tensor  # int64 [n * Hq, max_len]
-    keys: torch.Tensor  # float32 [rows_per_piece * Hkv * max_len, D]: one piece's gathered keys
     scores: torch.Tensor  # float32 [n * Hkv, group, max_len]: scores, then probabilities
 
     @classmethod
@@ -95,16 +105,24 @@ class _TableRows:
         slot_rows = slots.block_ids * block_rows + slots.offsets * num_kv_heads
         key_rows = slot_rows[:, None, :] + torch.arange(num_kv_heads)[None, :, None]
         rows_per_piece = max(1, _PIECE_BYTES // (num_kv_heads * max_len * head_dim * 4))
-        key_pieces = tuple(p.flatten() for p in torch.split(key_rows, rows_per_piece))
+        keys = torch.empty(min(rows_per_piece, n) * num_kv_heads * max_len, head_dim)
+        scores = torch.empty(n * num_kv_heads, group, max_len)
+        pieces = []
+        for begin in range(0, n, rows_per_piece):
+            heads = (min(begin + rows_per_piece, n) - begin) * num_kv_heads
+            piece_keys = keys[: heads * max_len]
+            pieces.append(
+                _Piece(
+                    heads=heads,
+                    key_rows=key_rows[begin : begin + rows_per_piece].flatten(),
+                    keys=piece_keys,
+                    keys_t=piece_keys.view(heads, max_len, head_dim).transpose(1, 2),
+                    scores=scores[begin * num_kv_heads : begin * num_kv_heads + heads],
+                )
+            )
         # Query head h reads KV head h // group: each KV head's rows repeat for its group.
         value_rows = key_rows.repeat_interleave(group, dim=1) if group > 1 else key_rows
-        return cls(
-            key_pieces=key_pieces,
-            rows_per_piece=rows_per_piece,
-            value_rows=value_rows.flatten(0, 1),
-            keys=torch.empty(key_pieces[0].numel(), head_dim),
-            scores=torch.empty(n * num_kv_heads, group, max_len),
-        )
+        return cls(tuple(pieces), value_rows.flatten(0, 1), scores)
 
 
 def row_table(
@@ -144,12 +162,11 @@ def decode_attention(
     rows = slots.rows(block_rows, num_kv_heads, group, head_dim)
     # [n * Hkv, group, D]: query heads of one KV head side by side; the scale folded in once.
     q = (query * softmax_scale).view(n * num_kv_heads, group, head_dim)
+    q_pieces = torch.split(q, [p.heads for p in rows.pieces])
+    for piece, q_piece in zip(rows.pieces, q_pieces, strict=True):
+        torch.index_select(key_table, 0, piece.key_rows, out=piece.keys)
+        torch.bmm(q_piece, piece.keys_t, out=piece.scores)
     scores = rows.scores
-    heads_per_piece = rows.rows_per_piece * num_kv_heads
-    for i, key_rows in enumerate(rows.key_pieces):
-        heads = slice(i * heads_per_piece, (i + 1) * heads_per_piece)
-        keys = torch.index_select(key_table, 0, key_rows, out=rows.keys[: key_rows.shape[0]])
-        torch.bmm(q[heads], keys.view(-1, max_len, head_dim).transpose(1, 2), out=scores[heads])
     probs = scores.view(n, num_q_heads, max_len)
     if slots.hidden is not None:
         probs.masked_fill_(slots.hidden, float("-inf"))
