@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from kvgate.kernels.checks import check_attention_metadata, check_attention_shapes
 from kvgate.kernels.torch_decode import DecodeSlots, decode_attention, row_table
 
-# Upper bound on gathered context positions (rows x padded length) per batched decode group and
-# on query tokens per prefill chunk: keeps peak memory near a few hundred MiB at 32 heads x 128.
-_MAX_GATHERED_POSITIONS = 1 << 20
+# Upper bound on context positions (rows x padded length) per decode group. A group holds about
+# 16 + 8 Hkv + 12 Hq bytes per position when read in place (32 MiB at 32 query / 8 KV heads), and
+# 8 Hkv D bytes per position when copied (half-precision caches: 512 MiB at 8 KV heads x 128).
+_MAX_GATHERED_POSITIONS = 1 << 16
+# Query tokens per SDPA call of a prefill chunk (bounds the [q, context] score matrix).
 _MAX_QUERY_CHUNK = 128
 # A decode group may gather at most this many times the positions its rows actually hold, so one
 # long row does not pad a group of short ones to its length.
@@ -65,7 +67,8 @@ class AttentionPlan:
     """One step's attention metadata, checked and turned into index tensors for every layer.
 
     Built by :func:`plan_attention_torch` from three metadata tensors; a call that passes the plan
-    must pass those same tensor objects (and must not have changed them in place since).
+    must pass those same tensor objects (and must not have changed them in place since). The plan
+    also holds the decode groups' workspace, so one thread at a time may use it.
     """
 
     block_tables: torch.Tensor  # int32 [num_rows, max_blocks_per_row], as planned

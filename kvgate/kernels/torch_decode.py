@@ -9,11 +9,14 @@ the L2 cache while it is read:
 cache layer view [num_blocks, block_size, Hkv, D], head vectors contiguous, read as a table of
 head vectors [rows, D]:    row(block, offset, kv_head) = block * block_rows + offset * Hkv + kv_head
 
-keys   = embedding(key_rows, table_k)            [rows of a piece * Hkv, L, D]  (piece: ~1 MiB)
+keys   = index_select(table_k, key_rows)         [rows of a piece * Hkv, L, D]  (piece: ~1 MiB)
 scores = (scale * q) @ keys^T                    [n * Hkv, group, L]            (piece by piece)
 probs  = softmax(scores, masked past each row's length)                 = [n * Hq, L]
 out    = embedding_bag(value_rows, table_v, per_sample_weights=probs)   = sum_p probs * V[row]
 ```
+
+The row indices and the workspace (a piece's keys, the scores) are built on a step's first layer
+and reused by the others.
 
 Positions past a row's length (padding up to the group's longest row) read the row's position 0,
 which holds data: their score is masked to ``-inf``, so their weight is exactly zero and
