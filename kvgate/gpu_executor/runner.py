@@ -291,6 +291,16 @@ class StepRunner:
         lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         slot_tensor = torch.tensor(slots, dtype=torch.int64, device=device)
         cache, scale = self.cache, model.softmax_scale
+        with timer.measure():
+            # Block tables are the same for every layer: plan their reads once per pass.
+            plan = kernels.plan_attention(
+                table_tensor,
+                start_tensor,
+                lens_tensor,
+                num_tokens=len(positions),
+                num_blocks=cache.num_blocks,
+                block_size=bs,
+            )
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -299,7 +309,14 @@ class StepRunner:
             with timer.measure():
                 kernels.write_kv(k, v, key_cache, value_cache, slot_tensor)
                 return kernels.paged_attention(
-                    q, key_cache, value_cache, table_tensor, start_tensor, lens_tensor, scale
+                    q,
+                    key_cache,
+                    value_cache,
+                    table_tensor,
+                    start_tensor,
+                    lens_tensor,
+                    scale,
+                    plan=plan,
                 )
 
         hidden = model.core_pass(

@@ -68,7 +68,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     tokens: list[int | None] = [None] * len(rows)
     greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0.0]
     if greedy:
-        picked = torch.argmax(logits[greedy], dim=-1).tolist()
+        # Every row greedy (the common case): no copy of the logits rows.
+        chosen = logits if len(greedy) == len(rows) else logits[greedy]
+        picked = torch.argmax(chosen, dim=-1).tolist()
         for i, token in zip(greedy, picked, strict=True):
             tokens[i] = int(token)
     for i, row in enumerate(rows):

@@ -21,14 +21,21 @@ import torch
 from kvgate.kernels import blocks
 from kvgate.kernels.checks import check_attention_metadata
 from kvgate.kernels.dispatch import Backend, select_backend
-from kvgate.kernels.torch_ops import copy_slots_torch, paged_attention_torch, write_kv_torch
+from kvgate.kernels.torch_attention import (
+    AttentionPlan,
+    paged_attention_torch,
+    plan_attention_torch,
+)
+from kvgate.kernels.torch_ops import copy_slots_torch, write_kv_torch
 
 __all__ = [
+    "AttentionPlan",
     "Backend",
     "check_attention_metadata",
     "copy_slots",
     "gather_blocks",
     "paged_attention",
+    "plan_attention",
     "scatter_blocks",
     "select_backend",
     "write_kv",
@@ -44,6 +51,7 @@ def paged_attention(
     seq_lens: torch.Tensor,  # int32 [num_rows], context length including the row's new tokens
     softmax_scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim], query's dtype
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim], dtype of query
     """Causal attention of every row's queries over the row's paged context.
 
@@ -56,7 +64,9 @@ def paged_attention(
     ``h // (num_q_heads // num_kv_heads)``. Accumulation is float32 for every input dtype.
 
     On CUDA the metadata values are not read (that would stall every layer): run
-    :func:`check_attention_metadata` once per step where the input is not trusted.
+    :func:`check_attention_metadata` once per step where the input is not trusted. ``plan`` is
+    what :func:`plan_attention` returned for these same metadata tensors: the CPU path then skips
+    reading and checking them again on every layer.
     """
     if select_backend(query.device) is Backend.TORCH:
         return paged_attention_torch(
@@ -68,12 +78,41 @@ def paged_attention(
             seq_lens,
             softmax_scale,
             out,
+            plan,
         )
     # Deferred: Triton reads TRITON_INTERPRET when the kernels are defined (see dispatch).
     from kvgate.kernels.triton_attention import paged_attention_triton  # noqa: PLC0415
 
     return paged_attention_triton(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, softmax_scale, out
+    )
+
+
+def plan_attention(
+    block_tables: torch.Tensor,  # int32 [num_rows, max_blocks_per_row]
+    query_start_loc: torch.Tensor,  # int32 [num_rows + 1]
+    seq_lens: torch.Tensor,  # int32 [num_rows]
+    *,
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+) -> AttentionPlan | None:
+    """Prepare one step's metadata for every layer's :func:`paged_attention` call.
+
+    The metadata of a step is the same for every layer. The CPU torch path checks its values
+    here, once, and precomputes its gather indices and masks; the result is ``None`` where the
+    backend needs no plan (Triton, which reads the metadata on the device and must not stall the
+    stream to read it on the host). The tensors must not be changed while the plan is in use.
+    """
+    if select_backend(block_tables.device) is not Backend.TORCH:
+        return None
+    return plan_attention_torch(
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        num_tokens=num_tokens,
+        num_blocks=num_blocks,
+        block_size=block_size,
     )
 
 

@@ -3,7 +3,8 @@
     CUDA tensors                              -> Triton kernels, compiled
     CPU tensors, TRITON_INTERPRET set truthy  -> the same Triton kernels, interpreted (how CI tests
                                                  them)
-    CPU tensors otherwise                     -> vectorized torch (``torch_ops``)
+    CPU tensors otherwise                     -> vectorized torch (``torch_attention``,
+                                                 ``torch_ops``)
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is *defined*, so the Triton modules are imported
 only on first use, and a process that sets the variable after that gets a clear error instead of

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from kvgate import kernels
-from kvgate.kernels import torch_ops, triton_attention
+from kvgate.kernels import torch_attention, triton_attention
 from kvgate.kernels.reference import paged_attention_reference
 from tests.kernels.paged_cases import MIXED_ROWS, PagedBatch, Row, build_batch
 
@@ -177,8 +177,8 @@ def test_query_tiles_span_rows(interpreted_triton: None) -> None:
 
 def test_torch_path_bounded_batches(torch_backend: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """With tiny memory bounds the torch path splits decode groups and query chunks; same result."""
-    monkeypatch.setattr(torch_ops, "_MAX_GATHERED_POSITIONS", 40)
-    monkeypatch.setattr(torch_ops, "_MAX_QUERY_CHUNK", 3)
+    monkeypatch.setattr(torch_attention, "_MAX_GATHERED_POSITIONS", 40)
+    monkeypatch.setattr(torch_attention, "_MAX_QUERY_CHUNK", 3)
     rows = [Row(1, 30), Row(1, 5), Row(1, 18), Row(1, 12), Row(8, 20), Row(1, 1)]
     batch = build_batch(rows, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
     assert_matches_reference(batch, kernels.paged_attention(*batch.args(), batch.softmax_scale))

@@ -1,0 +1,296 @@
+"""Paged attention in vectorized torch: what runs on CPU tensors when Triton is not interpreting.
+
+Two phases. :func:`plan_attention_torch` reads the step's metadata once (block tables, query
+offsets, lengths: the same for every layer of a step) and turns it into an :class:`AttentionPlan`
+of index tensors and masks. :func:`paged_attention_torch` then runs one layer with that plan and
+touches no Python lists:
+
+* decode rows (one query each), sorted by length and batched in groups bounded in memory and in
+  padding: :mod:`torch_decode` reads them straight from the cache (float32 caches whose head
+  vectors are packed, which is how the executor lays them out); otherwise each position's K/V is
+  gathered, upcast to float32 and handed to torch's ``scaled_dot_product_attention``;
+* rows with several queries (prefill chunks), one at a time in bounded query chunks, because
+  padding a long chunk and a short decode row to one shape would waste memory quadratically: the
+  row's whole blocks are gathered with one ``index_select`` each for K and V and read by SDPA as
+  a strided view:
+
+```
+cache layer view  [num_blocks, block_size, Hkv, D]  (strided in dim 0: other layers between)
+  index_select(0, block_ids[blocks_per_row])      -> [blocks_per_row, block_size, Hkv, D]
+  view, [:seq_len], transpose                     -> [1, Hkv, seq_len, D]   (no copy)
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvgate.kernels.checks import check_attention_metadata, check_attention_shapes
+from kvgate.kernels.torch_decode import DecodeSlots, decode_attention, row_table
+
+# Upper bound on context positions (rows x padded length) per decode group. A group holds about
+# 16 + 8 Hkv + 12 Hq bytes per position when read in place (32 MiB at 32 query / 8 KV heads), and
+# 8 Hkv D bytes per position when copied (half-precision caches: 512 MiB at 8 KV heads x 128).
+_MAX_GATHERED_POSITIONS = 1 << 16
+# Query tokens per SDPA call of a prefill chunk (bounds the [q, context] score matrix).
+_MAX_QUERY_CHUNK = 128
+# A decode group may gather at most this many times the positions its rows actually hold, so one
+# long row does not pad a group of short ones to its length.
+_MAX_PADDING_FACTOR = 2
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    tokens: torch.Tensor | slice  # query tokens of the group's rows, in row order
+    slots: DecodeSlots
+
+
+@dataclass(frozen=True)
+class _QueryChunk:
+    tokens: slice  # query tokens of one row
+    visible_len: int  # context positions the chunk's last query sees
+    visible: torch.Tensor | None  # bool [1, 1, q, visible_len]; None: every position visible
+
+
+@dataclass(frozen=True)
+class _ChunkRow:
+    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]: the row's blocks
+    seq_len: int
+    chunks: tuple[_QueryChunk, ...]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's attention metadata, checked and turned into index tensors for every layer.
+
+    Built by :func:`plan_attention_torch` from three metadata tensors; a call that passes the plan
+    must pass those same tensor objects (and must not have changed them in place since). The plan
+    also holds the decode groups' workspace, so one thread at a time may use it.
+    """
+
+    block_tables: torch.Tensor  # int32 [num_rows, max_blocks_per_row], as planned
+    query_start_loc: torch.Tensor  # int32 [num_rows + 1]
+    seq_lens: torch.Tensor  # int32 [num_rows]
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+    padding_tokens: torch.Tensor | None  # int64 [m]: tokens of padding rows; None: no padding
+    decode_groups: tuple[_DecodeGroup, ...]
+    chunk_rows: tuple[_ChunkRow, ...]
+
+    def require_matches(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> None:
+        """The plan was made for this call's metadata and cache geometry."""
+        if (
+            block_tables is not self.block_tables
+            or query_start_loc is not self.query_start_loc
+            or seq_lens is not self.seq_lens
+        ):
+            raise ValueError(
+                "plan was made for other metadata tensors: pass the block_tables, "
+                "query_start_loc and seq_lens it was planned from"
+            )
+        geometry = (query.shape[0], key_cache.shape[0], key_cache.shape[1])
+        planned = (self.num_tokens, self.num_blocks, self.block_size)
+        if geometry != planned:
+            raise ValueError(
+                f"plan was made for (num_tokens, num_blocks, block_size) = {planned}, "
+                f"got {geometry}"
+            )
+
+
+def _token_index(tokens: list[int]) -> torch.Tensor | slice:
+    """A slice when the tokens are consecutive and ascending (cheaper to read and write)."""
+    if tokens == list(range(tokens[0], tokens[0] + len(tokens))):
+        return slice(tokens[0], tokens[0] + len(tokens))
+    return torch.tensor(tokens, dtype=torch.int64)
+
+
+def _decode_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
+    """Rows sorted by length, cut into groups bounded in gathered memory and in padding.
+
+    Rows arrive in their original order; sorting is skipped when one group holds them all.
+    """
+    ordered = sorted(rows, key=lambda r: lens[r])
+    groups: list[list[int]] = []
+    group: list[int] = []
+    total = 0
+    for r in ordered:
+        # Sorted ascending: adding row r pads every row of the group to lens[r].
+        padded = (len(group) + 1) * lens[r]
+        too_big = padded > _MAX_GATHERED_POSITIONS
+        too_sparse = padded > _MAX_PADDING_FACTOR * (total + lens[r])
+        if group and (too_big or too_sparse):
+            groups.append(group)
+            group, total = [], 0
+        group.append(r)
+        total += lens[r]
+    if group:
+        groups.append(group)
+    if len(groups) == 1:
+        return [rows]
+    return groups
+
+
+def plan_attention_torch(
+    block_tables: torch.Tensor,  # int32 [num_rows, max_blocks_per_row]
+    query_start_loc: torch.Tensor,  # int32 [num_rows + 1]
+    seq_lens: torch.Tensor,  # int32 [num_rows]
+    *,
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+) -> AttentionPlan:
+    """Check the metadata's values once and precompute every layer's gather indices and masks."""
+    check_attention_metadata(
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        num_tokens=num_tokens,
+        num_blocks=num_blocks,
+        block_size=block_size,
+    )
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    tables = block_tables.to(torch.int64)
+    q_lens = [starts[r + 1] - starts[r] for r in range(len(lens))]
+    padding = [t for r, n in enumerate(lens) if n == 0 for t in range(starts[r], starts[r + 1])]
+    decode_rows = [r for r, n in enumerate(lens) if n > 0 and q_lens[r] == 1]
+    groups = []
+    for rows in _decode_groups(decode_rows, lens) if decode_rows else []:
+        lengths = [lens[r] for r in rows]
+        slots = DecodeSlots.build(
+            tables[rows], torch.tensor(lengths), max(lengths), block_size=block_size
+        )
+        groups.append(_DecodeGroup(_token_index([starts[r] for r in rows]), slots))
+    chunk_rows = []
+    for r, seq_len in enumerate(lens):
+        if seq_len == 0 or q_lens[r] <= 1:
+            continue
+        q_begin, q_end = starts[r], starts[r + 1]
+        first_position = seq_len - q_lens[r]  # query token t sits at first_position + t - q_begin
+        chunks = []
+        for begin in range(q_begin, q_end, _MAX_QUERY_CHUNK):
+            end = min(begin + _MAX_QUERY_CHUNK, q_end)
+            positions = torch.arange(begin - q_begin, end - q_begin) + first_position
+            visible_len = first_position + end - q_begin
+            visible = None
+            if end - begin > 1:
+                visible = (torch.arange(visible_len)[None, :] <= positions[:, None])[None, None]
+            chunks.append(_QueryChunk(slice(begin, end), visible_len, visible))
+        block_ids = tables[r, : -(-seq_len // block_size)]
+        chunk_rows.append(_ChunkRow(block_ids, seq_len, tuple(chunks)))
+    return AttentionPlan(
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        num_tokens=num_tokens,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        padding_tokens=torch.tensor(padding, dtype=torch.int64) if padding else None,
+        decode_groups=tuple(groups),
+        chunk_rows=tuple(chunk_rows),
+    )
+
+
+def _gather_row(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    row: _ChunkRow,
+) -> torch.Tensor:  # [1, num_kv_heads, seq_len, head_dim] (a strided view), float32
+    """One row's context, copied block by block."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    blocks = cache.index_select(0, row.block_ids)
+    if blocks.dtype != torch.float32:
+        blocks = blocks.float()  # half-precision inputs: accumulate in float32
+    positions = blocks.view(1, -1, num_kv_heads, head_dim)[:, : row.seq_len]
+    return positions.transpose(1, 2)
+
+
+def _gather_positions(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    slots: DecodeSlots,
+) -> torch.Tensor:  # [n, num_kv_heads, max_len, head_dim] (a strided view), float32
+    """Decode rows' contexts, position by position (caches :mod:`torch_decode` cannot read)."""
+    return cache[slots.block_ids, slots.offsets].float().transpose(1, 2)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_rows, max_blocks_per_row]
+    query_start_loc: torch.Tensor,  # int32 [num_rows + 1]
+    seq_lens: torch.Tensor,  # int32 [num_rows]
+    softmax_scale: float,
+    out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`kvgate.kernels.paged_attention`, for CPU tensors."""
+    check_attention_shapes(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, softmax_scale, out
+    )
+    if plan is None:
+        plan = plan_attention_torch(
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            num_tokens=query.shape[0],
+            num_blocks=key_cache.shape[0],
+            block_size=key_cache.shape[1],
+        )
+    else:
+        plan.require_matches(query, key_cache, block_tables, query_start_loc, seq_lens)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if plan.padding_tokens is not None:
+        out[plan.padding_tokens] = 0.0
+
+    def attend(
+        q: torch.Tensor,  # [n, num_q_heads, q_len, head_dim]
+        keys: torch.Tensor,  # [n, num_kv_heads, ctx, head_dim]
+        values: torch.Tensor,
+        visible: torch.Tensor | None,  # bool, broadcastable to [n, 1, q_len, ctx]
+    ) -> torch.Tensor:  # [n, num_q_heads, q_len, head_dim], the dtype of keys
+        return F.scaled_dot_product_attention(
+            q.to(keys.dtype),
+            keys,
+            values,
+            attn_mask=visible,
+            scale=softmax_scale,
+            enable_gqa=True,
+        )
+
+    key_table, value_table = row_table(key_cache), row_table(value_cache)
+    for group in plan.decode_groups:
+        q = query[group.tokens]  # [n, num_q_heads, head_dim]
+        if key_table is not None and value_table is not None and key_table[1] == value_table[1]:
+            result = decode_attention(
+                q.float(), key_table[0], value_table[0], key_table[1], key_cache.shape[2],
+                group.slots, softmax_scale,
+            )  # fmt: skip
+        else:
+            keys = _gather_positions(key_cache, group.slots)
+            values = _gather_positions(value_cache, group.slots)
+            hidden = group.slots.hidden
+            visible = None if hidden is None else ~hidden[:, None]  # [n, 1, 1, max_len]
+            result = attend(q[:, :, None], keys, values, visible)[:, :, 0]
+        out[group.tokens] = result.to(out.dtype)
+
+    for row in plan.chunk_rows:
+        keys = _gather_row(key_cache, row)
+        values = _gather_row(value_cache, row)
+        for chunk in row.chunks:
+            q = query[chunk.tokens].transpose(0, 1)[None]  # [1, num_q_heads, q, head_dim]
+            seen = slice(0, chunk.visible_len)
+            result = attend(q, keys[:, :, seen], values[:, :, seen], chunk.visible)
+            out[chunk.tokens] = result[0].transpose(0, 1).to(out.dtype)
+    return out
