@@ -11,7 +11,7 @@ UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test pytest lint bench images clean
+.PHONY: setup demo test pytest lint bench images clean kafka-image clean-test-cache
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,3 +41,11 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The real-Kafka test harness builds its broker image on first use; these prepare it ahead of
+# time or delete the whole harness cache (docs/testing.md).
+kafka-image: setup
+	$(PY) -m tests.harness prepare
+
+clean-test-cache: setup
+	$(PY) -m tests.harness clean

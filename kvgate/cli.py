@@ -16,6 +16,8 @@ from typing import Protocol, cast
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvgate.admission_service.sim.cli", "run a workload file on the simulated executor"),
+    "executor": ("kvgate.gpu_executor.cli", "serve a model's step plans over a WebSocket"),
+    "make-tiny-model": ("kvgate.gpu_executor.tiny_model", "write a small random checkpoint"),
 }
 
 

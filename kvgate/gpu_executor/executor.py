@@ -1,0 +1,304 @@
+"""The in-process executor: follows step plans over a paged KV cache (the server and the
+simulator's ``--executor real`` both drive this class).
+
+``execute(plan)`` validates the whole plan first; a bad plan gets a result with ``error`` set and
+changes nothing. Then, in the order of the step protocol: free → swap_out → new_requests →
+swap_in → block_appends → one forward over every prefill and decode row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, Status, StatusCode
+
+from kvgate import kernels
+from kvgate.gpu_executor import api
+from kvgate.gpu_executor.calibration import measure_costs, profile_forward
+from kvgate.gpu_executor.exit_policy import ExitPolicy
+from kvgate.gpu_executor.kv_cache import (
+    DEFAULT_BLOCK_SIZE,
+    KVCache,
+    blocks_for_memory_fraction,
+)
+from kvgate.gpu_executor.loader import DType, LoadedModel, load_model
+from kvgate.gpu_executor.model import Model
+from kvgate.gpu_executor.requests import RequestState, Snapshot
+from kvgate.gpu_executor.runner import StepRunner
+from kvgate.gpu_executor.step_span import kv_attributes, plan_attributes, result_attributes
+from kvgate.gpu_executor.validate import Geometry, PlanError, PlanValidator
+from kvgate.telemetry import attributes as attr
+from kvgate.telemetry.context import context_from_traceparent, span_context_from_traceparent
+
+log = logging.getLogger(__name__)
+
+PROFILE_TOKENS = 2048
+
+
+class Executor:
+    def __init__(
+        self,
+        model: LoadedModel | str | Path,
+        *,
+        num_blocks: int | None,
+        device: torch.device | str = "cpu",
+        dtype: DType | torch.dtype = DType.AUTO,
+        host_snapshot_blocks: int = 0,
+        memory_fraction: float | None = None,
+        executor_id: str = "executor-0",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        exit_policy: ExitPolicy | None = None,
+        tracer: trace.Tracer | None = None,
+        profile_tokens: int = PROFILE_TOKENS,
+    ):
+        loaded = (
+            model
+            if isinstance(model, LoadedModel)
+            else load_model(model, device=device, dtype=dtype)
+        )
+        self.model: Model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        config = self.model.config
+        if num_blocks is None:
+            if memory_fraction is None:
+                raise ValueError("give num_blocks, or memory_fraction on a CUDA device")
+            num_blocks = blocks_for_memory_fraction(
+                config,
+                block_size=block_size,
+                dtype=self.model.dtype,
+                device=self.model.device,
+                memory_fraction=memory_fraction,
+                profile=lambda: profile_forward(self.model, profile_tokens),
+            )
+        self.cache = KVCache(
+            config,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=self.model.dtype,
+            device=self.model.device,
+        )
+        self.exit_policy = exit_policy or ExitPolicy.GATE
+        self._runner = StepRunner(self.model, self.cache, self.exit_policy, config.eos_token_id)
+        self._tracer = tracer or trace.get_tracer(__name__)
+        self._requests: dict[str, RequestState] = {}
+        self._snapshots: dict[str, Snapshot] = {}
+        self._block_refs: Counter[int] = Counter()
+        self._host_blocks = 0
+        self._geometry = Geometry(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_loops=config.num_loops,
+            vocab_size=config.vocab_size,
+            max_model_len=config.max_model_len,
+            host_snapshot_blocks=host_snapshot_blocks,
+        )
+        self.info = api.ExecutorInfo(
+            executor_id=executor_id,
+            model_family=config.family.value,
+            num_loops=config.num_loops,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            host_snapshot_blocks=host_snapshot_blocks,
+            vocab_size=config.vocab_size,
+            eos_token_id=config.eos_token_id,
+            max_model_len=config.max_model_len,
+            kv_bytes_per_block=self.cache.bytes_per_block,
+            has_tokenizer=self.tokenizer is not None,
+        )
+
+    # ------------------------------------------------------------------------ public API
+
+    @property
+    def counters(self) -> api.ExecutorCounters:
+        return api.ExecutorCounters(
+            num_requests=len(self._requests) + len(self._snapshots),
+            num_snapshots=len(self._snapshots),
+            host_blocks_used=self._host_blocks,
+        )
+
+    @property
+    def blocks_used(self) -> int:
+        """Distinct blocks in the tables of resident requests (shared prefix blocks count once)."""
+        return len(self._block_refs)
+
+    def reset(self) -> None:
+        """Forget every request and snapshot (a new session epoch)."""
+        self._requests.clear()
+        self._snapshots.clear()
+        self._block_refs.clear()
+        self._host_blocks = 0
+
+    def execute(self, plan: api.StepPlan) -> api.StepResult:
+        began = time.perf_counter()
+        error: api.StepError | None = None
+        try:
+            PlanValidator(self._geometry, self._requests, self._snapshots).validate(plan)
+        except PlanError as exc:
+            error = exc.error
+        with self._tracer.start_as_current_span(
+            attr.STEP_SPAN,
+            context=context_from_traceparent(plan.traceparent),
+            links=self._links(plan) if error is None else [],
+            attributes=plan_attributes(plan, self.info),
+        ) as span:
+            if error is None:
+                try:
+                    return self._run(plan, span, began)
+                except Exception as exc:  # a bug, not a bad plan: report it, keep serving
+                    log.exception("step %d failed", plan.step_id)
+                    error = api.StepError(code=api.ErrorCode.INTERNAL, message=repr(exc))
+            span.set_status(Status(StatusCode.ERROR, error.message))
+            span.set_attribute(attr.STEP_ERROR_CODE, error.code.value)
+            return api.StepResult(
+                step_id=plan.step_id,
+                error=error,
+                counters=self.counters,
+                timings=api.StepTimings(execute_s=time.perf_counter() - began),
+            )
+
+    # --------------------------------------------------------------------------- actions
+
+    def _run(self, plan: api.StepPlan, span: Span, began: float) -> api.StepResult:
+        for rid in plan.free:
+            self._free(rid)
+        for rid in plan.swap_out:
+            self._swap_out(rid)
+        for request in plan.new_requests:
+            span_context = span_context_from_traceparent(request.traceparent)
+            state = RequestState.register(request, self.model.num_loops, span_context)
+            self._requests[request.request_id] = state
+        for swap in plan.swap_in:
+            self._swap_in(swap)
+        for append in plan.block_appends:
+            state = self._requests[append.request_id]
+            for table, new_ids in zip(state.block_tables, append.new_block_ids, strict=True):
+                table.extend(new_ids)
+                self._block_refs.update(new_ids)
+        prefill = [(self._requests[row.request_id], row) for row in plan.prefill_rows]
+        decode: list[RequestState] = []
+        skipped: list[str] = []
+        for rid in plan.decode.request_ids:
+            state = self._requests[rid]
+            if state.finished:
+                skipped.append(rid)
+            else:
+                decode.append(state)
+        outcome = self._runner.run(prefill, decode)
+        result = api.StepResult(
+            step_id=plan.step_id,
+            tokens=outcome.tokens,
+            decode=api.DecodeOutcomes(
+                request_ids=[s.request_id for s in decode],
+                positions=outcome.decode_positions,
+                depths=outcome.decode_depths,
+                exited=outcome.decode_exited,
+            ),
+            skipped_request_ids=skipped,
+            timings=api.StepTimings(
+                execute_s=time.perf_counter() - began, kernel_s=outcome.kernel_s
+            ),
+            counters=self.counters,
+        )
+        span.set_attributes(
+            result_attributes(result, outcome.token_passes_per_depth)
+            | kv_attributes(
+                blocks_total=self.info.num_blocks,
+                blocks_used=self.blocks_used,
+                host_blocks_used=self._host_blocks,
+                snapshots=len(self._snapshots),
+                requests=len(self._requests) + len(self._snapshots),
+            )
+        )
+        return result
+
+    def _release_blocks(self, state: RequestState) -> None:
+        for table in state.block_tables:
+            self._block_refs.subtract(table)
+        self._block_refs = +self._block_refs  # drop ids whose count reached zero
+
+    def _free(self, rid: str) -> None:
+        if rid in self._requests:
+            self._release_blocks(self._requests.pop(rid))
+        else:
+            self._host_blocks -= self._snapshots.pop(rid).num_blocks
+
+    def _swap_out(self, rid: str) -> None:
+        state = self._requests.pop(rid)
+        num_pages = state.num_pages
+        block_ids = torch.tensor(
+            [b for table in state.block_tables for b in table], dtype=torch.int64
+        )
+        keys, values = kernels.gather_blocks(self.cache.keys, self.cache.values, block_ids)
+        self._release_blocks(state)
+        state.block_tables = [[] for _ in state.block_tables]
+        _move_hidden(state, torch.device("cpu"))
+        snapshot = Snapshot(state=state, keys=keys, values=values, num_pages=num_pages)
+        self._snapshots[rid] = snapshot
+        self._host_blocks += snapshot.num_blocks
+
+    def _swap_in(self, swap: api.SwapIn) -> None:
+        snapshot = self._snapshots.pop(swap.request_id)
+        state = snapshot.state
+        block_ids = torch.tensor([b for table in swap.block_ids for b in table], dtype=torch.int64)
+        kernels.scatter_blocks(
+            self.cache.keys, self.cache.values, block_ids, snapshot.keys, snapshot.values
+        )
+        state.block_tables = [list(table) for table in swap.block_ids]
+        for table in state.block_tables:
+            self._block_refs.update(table)
+        _move_hidden(state, self.model.device)
+        self._host_blocks -= snapshot.num_blocks
+        self._requests[swap.request_id] = state
+
+    # ------------------------------------------------------------------------- telemetry
+
+    def _links(self, plan: api.StepPlan) -> list[Link]:
+        """Links to the spans of every request the step serves (context from its traceparent)."""
+        registering = {
+            r.request_id: span_context_from_traceparent(r.traceparent) for r in plan.new_requests
+        }
+        served = dict.fromkeys(
+            [row.request_id for row in plan.prefill_rows] + plan.decode.request_ids
+        )
+        links = []
+        for rid in served:
+            if rid in registering:
+                context = registering[rid]
+            elif rid in self._requests:
+                context = self._requests[rid].span_context
+            elif rid in self._snapshots:
+                context = self._snapshots[rid].state.span_context
+            else:
+                context = None
+            if context is not None:
+                links.append(Link(context))
+        return links
+
+    # ----------------------------------------------------------------------- calibration
+
+    def calibrate(self) -> api.ExecutorInfo:
+        """Measure the restore-cost figures the scheduler's ``auto`` mode weighs (host bandwidth,
+        prefill time per token and pass) on an idle executor; updates and returns ``info``."""
+        if self._requests or self._snapshots:
+            raise RuntimeError("calibrate an idle executor (it borrows KV blocks)")
+        costs = measure_costs(self.model, self.cache)
+        self.info = self.info.model_copy(
+            update={
+                "host_bandwidth_bytes_per_s": costs.host_bandwidth_bytes_per_s,
+                "prefill_token_pass_s": costs.prefill_token_pass_s,
+            }
+        )
+        return self.info
+
+
+def _move_hidden(state: RequestState, device: torch.device) -> None:
+    """Carry a request's in-flight hidden states with its snapshot (host) or back (device)."""
+    if state.cursor is not None and state.cursor.hidden is not None:
+        state.cursor.hidden = state.cursor.hidden.to(device)
+    for pending in state.wavefront.values():
+        pending.hidden = pending.hidden.to(device)

@@ -1,0 +1,72 @@
+"""Loading a model directory: config.json + safetensors (+ tokenizer.json when present)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+
+from kvgate.gpu_executor.config import CheckpointError, load_config
+from kvgate.gpu_executor.model import Model, assemble_weights
+from kvgate.gpu_executor.tokenizer import TextTokenizer, load_tokenizer
+from kvgate.gpu_executor.weights import read_checkpoint
+
+
+class DType(StrEnum):
+    """``auto``: fp32 on CPU; on GPU the checkpoint's ``torch_dtype`` (bf16 when it has none)."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+_TORCH_DTYPES = {
+    DType.FLOAT32: torch.float32,
+    DType.FLOAT16: torch.float16,
+    DType.BFLOAT16: torch.bfloat16,
+}
+
+
+def resolve_dtype(
+    dtype: DType | torch.dtype, device: torch.device, config_dtype: str | None
+) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is not DType.AUTO:
+        return _TORCH_DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    by_name = {d.value: t for d, t in _TORCH_DTYPES.items()} | {"float": torch.float32}
+    return by_name.get(config_dtype or "", torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Model
+    tokenizer: TextTokenizer | None
+    source: Path
+
+
+def load_model(
+    model_dir: Path | str,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: DType | torch.dtype = DType.AUTO,
+) -> LoadedModel:
+    """Read and check a model directory; raises CheckpointError with the reason."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist")
+    config = load_config(path)
+    torch_device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device, config.torch_dtype)
+    tensors = read_checkpoint(path, config, torch_dtype, torch_device)
+    tokenizer = load_tokenizer(path)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"tokenizer.json has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
+        )
+    return LoadedModel(Model(config, assemble_weights(config, tensors)), tokenizer, path)

@@ -1,0 +1,187 @@
+"""The transformer math shared by the paged executor and the unpaged reference.
+
+A model is three stages: the prelude (embedding), a core pass (every layer once, plus the Ouro
+end-of-loop norm) that a looped model runs up to ``num_loops`` times per token, and the coda
+(logits). Attention is a callback, so the same core pass serves a paged KV cache (the executor)
+and contiguous per-request tensors (the reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvgate.gpu_executor.config import ModelConfig, ModelFamily
+from kvgate.gpu_executor.rope import RotaryTable
+from kvgate.gpu_executor.weights import layer_prefix
+
+# (layer, query [n, Hq, D], key [n, Hkv, D], value [n, Hkv, D]) -> attention output [n, Hq, D]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    qkv_proj: torch.Tensor  # [(Hq + 2 Hkv) D, H]: q, k and v stacked for one matmul
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    o_proj: torch.Tensor  # [H, Hq D]
+    o_bias: torch.Tensor | None  # [H]
+    gate_up_proj: torch.Tensor  # [2 I, H]: gate and up stacked
+    down_proj: torch.Tensor  # [H, I]
+    input_norm: torch.Tensor  # [H]
+    post_attention_norm: torch.Tensor  # [H]
+    attention_out_norm: torch.Tensor | None  # [H], Ouro's input_layernorm_2
+    mlp_out_norm: torch.Tensor | None  # [H], Ouro's post_attention_layernorm_2
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+    exit_gate: torch.Tensor | None  # [1, H]
+    exit_gate_bias: torch.Tensor | None  # [1]
+
+
+def assemble_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> ModelWeights:
+    """Group checkpoint tensors (already checked by ``read_checkpoint``) into fused layers."""
+    layers = []
+    for layer in range(config.num_layers):
+        attn = f"{layer_prefix(layer)}.self_attn"
+        mlp = f"{layer_prefix(layer)}.mlp"
+        qkv = [tensors[f"{attn}.{p}_proj.weight"] for p in "qkv"]
+        layers.append(
+            LayerWeights(
+                qkv_proj=torch.cat(qkv, dim=0),
+                qkv_bias=(
+                    torch.cat([tensors[f"{attn}.{p}_proj.bias"] for p in "qkv"])
+                    if config.qkv_bias
+                    else None
+                ),
+                o_proj=tensors[f"{attn}.o_proj.weight"],
+                o_bias=tensors.get(f"{attn}.o_proj.bias"),
+                gate_up_proj=torch.cat(
+                    [tensors[f"{mlp}.gate_proj.weight"], tensors[f"{mlp}.up_proj.weight"]]
+                ),
+                down_proj=tensors[f"{mlp}.down_proj.weight"],
+                input_norm=tensors[f"{layer_prefix(layer)}.input_layernorm.weight"],
+                post_attention_norm=tensors[
+                    f"{layer_prefix(layer)}.post_attention_layernorm.weight"
+                ],
+                attention_out_norm=tensors.get(f"{layer_prefix(layer)}.input_layernorm_2.weight"),
+                mlp_out_norm=tensors.get(
+                    f"{layer_prefix(layer)}.post_attention_layernorm_2.weight"
+                ),
+            )
+        )
+    embed = tensors["model.embed_tokens.weight"]
+    return ModelWeights(
+        embed=embed,
+        layers=tuple(layers),
+        norm=tensors["model.norm.weight"],
+        lm_head=embed if config.tie_word_embeddings else tensors["lm_head.weight"],
+        exit_gate=tensors.get("model.early_exit_gate.weight"),
+        exit_gate_bias=tensors.get("model.early_exit_gate.bias"),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [n, H]`` normalized in fp32, scaled by ``weight [H]`` in the model dtype."""
+    x_float = x.float()
+    normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+class Model:
+    """A loaded model on one device: prelude, core pass, exit gate and coda."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights):
+        self.config = config
+        self.weights = weights
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.rotary = RotaryTable(
+            config.head_dim, config.rope_theta, config.rope_scaling, self.device
+        )
+        self.softmax_scale = config.head_dim**-0.5
+        self._q_dim = config.num_heads * config.head_dim
+        self._kv_dim = config.num_kv_heads * config.head_dim
+
+    @property
+    def num_loops(self) -> int:
+        return self.config.num_loops
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[n]`` -> hidden ``[n, H]``."""
+        return F.embedding(token_ids, self.weights.embed)
+
+    def core_pass(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        max_position: int,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        """One pass through every layer: hidden ``[n, H]`` at int64 ``positions [n]``."""
+        for index, layer in enumerate(self.weights.layers):
+            hidden = self._layer(
+                index,
+                layer,
+                hidden,
+                positions=positions,
+                max_position=max_position,
+                attention=attention,
+            )
+        if self.config.norm_every_loop:
+            hidden = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+        return hidden
+
+    def _layer(
+        self,
+        index: int,
+        layer: LayerWeights,
+        hidden: torch.Tensor,
+        *,
+        positions: torch.Tensor,
+        max_position: int,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        cfg = self.config
+        n = hidden.shape[0]
+        x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        q, k, v = qkv.split_with_sizes([self._q_dim, self._kv_dim, self._kv_dim], dim=-1)
+        q = q.reshape(n, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.rotary.apply(q, k, positions, max_position)
+        attn = attention(index, q, k, v).reshape(n, self._q_dim)
+        attn = F.linear(attn, layer.o_proj, layer.o_bias)
+        if layer.attention_out_norm is not None:
+            attn = rms_norm(attn, layer.attention_out_norm, cfg.rms_norm_eps)
+        hidden = hidden + attn
+        x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+        mlp = F.linear(F.silu(gate) * up, layer.down_proj)
+        if layer.mlp_out_norm is not None:
+            mlp = rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
+        return hidden + mlp
+
+    def exit_hazard(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[n]``: the gate's probability of exiting after this pass, given no exit before.
+
+        Only looped models have a gate; for them ``hidden`` is the end-of-loop (normed) state.
+        """
+        if self.weights.exit_gate is None:
+            raise ValueError(f"a {self.config.family} model has no exit gate")
+        gate = F.linear(hidden, self.weights.exit_gate, self.weights.exit_gate_bias)
+        return torch.sigmoid(gate.float()).squeeze(-1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The coda: hidden ``[n, H]`` after the exit pass -> fp32 logits ``[n, V]``."""
+        if self.config.family is ModelFamily.LLAMA:
+            hidden = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+        return F.linear(hidden, self.weights.lm_head).float()

@@ -1,0 +1,132 @@
+"""Paged KV-cache kernels: attention over mixed prefill/decode batches, KV writes, plane copies
+and block swaps.
+
+One function per operation. Each validates its arguments (shapes, dtypes, strides, devices; and
+values too when they are on the CPU) before writing anything, then runs on the backend that
+:func:`kvgate.kernels.dispatch.select_backend` picks: Triton on CUDA, Triton's interpreter on CPU
+under ``TRITON_INTERPRET=1``, vectorized torch on CPU otherwise. ``reference.py`` holds the loop
+references that define every operation.
+
+Cache layout: the executor keeps one K and one V tensor shaped
+``[num_blocks, num_layers, block_size, num_kv_heads, head_dim]`` (a block holds every layer of
+``block_size`` positions of one KV plane). ``paged_attention`` and ``write_kv`` take the per-layer
+views ``cache[:, layer]`` (strided in dim 0); ``copy_slots`` and the block swaps take the full
+5-D tensors. A slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgate.kernels import blocks
+from kvgate.kernels.checks import check_attention_metadata
+from kvgate.kernels.dispatch import Backend, select_backend
+from kvgate.kernels.torch_ops import copy_slots_torch, paged_attention_torch, write_kv_torch
+
+__all__ = [
+    "Backend",
+    "check_attention_metadata",
+    "copy_slots",
+    "gather_blocks",
+    "paged_attention",
+    "scatter_blocks",
+    "select_backend",
+    "write_kv",
+]
+
+
+def paged_attention(  # noqa: PLR0917 - the executor's call signature
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    block_tables: torch.Tensor,  # int32 [num_rows, max_blocks_per_row]
+    query_start_loc: torch.Tensor,  # int32 [num_rows + 1], cumulative query token offsets
+    seq_lens: torch.Tensor,  # int32 [num_rows], context length including the row's new tokens
+    softmax_scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim], query's dtype
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim], dtype of query
+    """Causal attention of every row's queries over the row's paged context.
+
+    Row ``r``'s queries ``query[query_start_loc[r]:query_start_loc[r+1]]`` (``q_len`` tokens) are
+    the last ``q_len`` positions of its context; query ``i`` attends to positions
+    ``0 ..= seq_len - q_len + i`` (bottom-right aligned). Position ``p`` lives at
+    ``key_cache[block_tables[r, p // block_size], p % block_size]``. Decode rows
+    (``q_len == 1``), prefill chunks with or without prior context and padding rows
+    (``seq_len == 0``: zeros) mix freely in one call. Query head ``h`` reads KV head
+    ``h // (num_q_heads // num_kv_heads)``. Accumulation is float32 for every input dtype.
+
+    On CUDA the metadata values are not read (that would stall every layer): run
+    :func:`check_attention_metadata` once per step where the input is not trusted.
+    """
+    if select_backend(query.device) is Backend.TORCH:
+        return paged_attention_torch(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+            softmax_scale, out,
+        )  # fmt: skip
+    # Deferred: Triton reads TRITON_INTERPRET when the kernels are defined (see dispatch).
+    from kvgate.kernels.triton_attention import paged_attention_triton  # noqa: PLC0415
+
+    return paged_attention_triton(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, softmax_scale, out
+    )
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]; slot = block_id * block_size + offset
+) -> None:
+    """Store token ``t``'s K/V at ``slot_mapping[t]``; negative slots (padding) are skipped.
+
+    Non-negative slots must be distinct (checked when they are on the CPU).
+    """
+    if select_backend(key.device) is Backend.TORCH:
+        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+        return
+    # Deferred: Triton reads TRITON_INTERPRET when the kernels are defined (see dispatch).
+    from kvgate.kernels.triton_cache import write_kv_triton  # noqa: PLC0415
+
+    write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_slots(
+    key_cache: torch.Tensor,  # [num_blocks, num_layers, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, num_layers, block_size, num_kv_heads, head_dim]
+    src_slots: torch.Tensor,  # int64 [n]
+    dst_slots: torch.Tensor,  # int64 [n]
+) -> None:
+    """Copy every layer's K/V of slot ``src_slots[i]`` into slot ``dst_slots[i]``.
+
+    Used by LAST_EXITED finalization to copy an early-exited token's K/V into deeper planes.
+    Destinations must be distinct and no slot may be both a source and a destination (checked
+    when the slots are on the CPU), so the result does not depend on copy order.
+    """
+    if select_backend(key_cache.device) is Backend.TORCH:
+        copy_slots_torch(key_cache, value_cache, src_slots, dst_slots)
+        return
+    # Deferred: Triton reads TRITON_INTERPRET when the kernels are defined (see dispatch).
+    from kvgate.kernels.triton_cache import copy_slots_triton  # noqa: PLC0415
+
+    copy_slots_triton(key_cache, value_cache, src_slots, dst_slots)
+
+
+def gather_blocks(
+    key_cache: torch.Tensor,  # [num_blocks, num_layers, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,  # int64 [n], distinct
+) -> tuple[torch.Tensor, torch.Tensor]:  # host [n, num_layers, block_size, num_kv_heads, head_dim]
+    """Copy whole blocks to host tensors (pinned when the cache is on CUDA); see ``blocks``."""
+    return blocks.gather_blocks(key_cache, value_cache, block_ids)
+
+
+def scatter_blocks(
+    key_cache: torch.Tensor,  # [num_blocks, num_layers, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,  # int64 [n], distinct
+    host_keys: torch.Tensor,  # [n, num_layers, block_size, num_kv_heads, head_dim]
+    host_values: torch.Tensor,
+) -> None:
+    """Write host blocks from :func:`gather_blocks` into (newly allocated) ``block_ids``."""
+    blocks.scatter_blocks(key_cache, value_cache, block_ids, host_keys, host_values)

@@ -1,0 +1,407 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+# (@triton.jit kernels cannot carry Python annotations: Triton reads them as kernel types.)
+"""Triton paged attention for mixed batches: prefill chunks and decode rows in one launch.
+
+Work decomposition (grid = ``(num_q_tiles, num_kv_heads, num_splits)``)::
+
+    one program = one query tile of one row  x  one KV head  x  one split of the row's context
+
+    query tile (BLOCK_M rows of the score matrix):
+        m = token_in_tile * QUERIES_PER_KV + head_in_group      (GQA heads of one KV head share
+        BLOCK_Q = BLOCK_M // QUERIES_PER_KV tokens per tile       every K/V tile they load)
+
+    row r owns q tiles [first_tile(r), first_tile(r+1)), first_tile(r) = qsl[r] // BLOCK_Q + r
+
+``first_tile`` over-counts by at most one tile per row, so the grid size
+``num_tokens // BLOCK_Q + num_rows`` is known on the host without reading ``query_start_loc``;
+a program finds its row by binary search and exits when its tile is past the row's queries.
+
+Each program walks its KV positions in TILE_N steps (any block size: each position looks up its
+own block id, int64 offsets), with an online softmax in the exp2 domain and float32
+accumulators. With ``num_splits > 1`` (few programs, e.g. small decode batches) the context is
+cut into ``num_splits`` ranges whose normalised partial outputs and log-sum-exps are merged by
+:func:`_merge_splits_kernel` (flash-decoding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvgate.kernels.checks import check_attention_metadata, check_attention_shapes
+from kvgate.kernels.triton_common import next_power_of_2, require_matching_triton_mode
+
+_LOG2_E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _find_row(
+    query_start_loc_ptr,  # int32 [num_rows + 1]
+    num_rows,
+    q_tile,
+    BLOCK_Q: tl.constexpr,
+):
+    """Largest row r with ``qsl[r] // BLOCK_Q + r <= q_tile`` (-1 if none)."""
+    lo = 0
+    hi = num_rows
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(  # noqa: PLR0917 - kernels take positional arguments
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    query_ptr,  # [num_tokens, num_q_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided)
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided)
+    block_tables_ptr,  # int32 [num_rows, max_blocks_per_row]
+    query_start_loc_ptr,  # int32 [num_rows + 1]
+    seq_lens_ptr,  # int32 [num_rows]
+    split_out_ptr,  # float32 [num_splits, num_tokens, num_q_heads, HEAD_DIM_PAD] (splits > 1)
+    split_lse_ptr,  # float32 [num_splits, num_tokens, num_q_heads] (log2 domain; splits > 1)
+    scale_log2,  # softmax_scale * log2(e)
+    num_rows,
+    stride_out_token,
+    stride_out_head,
+    stride_q_token,
+    stride_q_head,
+    stride_kc_block,
+    stride_kc_offset,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_offset,
+    stride_vc_head,
+    stride_table_row,
+    stride_split_out_split,
+    stride_split_out_token,
+    stride_split_out_head,
+    stride_split_lse_split,
+    stride_split_lse_token,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # -- which row and which of its query tokens this program owns
+    row = _find_row(query_start_loc_ptr, num_rows, q_tile, BLOCK_Q)
+    if row < 0:
+        return
+    row_q_begin = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - row_q_begin
+    q_begin = (q_tile - (row_q_begin // BLOCK_Q + row)) * BLOCK_Q  # first query, row-relative
+    if q_begin >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+    context_begin = seq_len - q_len  # context position of the row's first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_index = q_begin + offs_m // QUERIES_PER_KV  # row-relative query token of each tile row
+    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_valid = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (q_index < q_len)
+    token = (row_q_begin + q_index).to(tl.int64)
+    q_position = context_begin + q_index  # causal limit: sees positions <= q_position
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = offs_d < HEAD_DIM
+
+    q = tl.load(
+        query_ptr
+        + token[:, None] * stride_q_token
+        + head[:, None] * stride_q_head
+        + offs_d[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+
+    # -- the KV positions this program covers: [tile_begin, tile_end) * TILE_N, clipped to kv_end
+    last_q_exclusive = tl.minimum(q_begin + BLOCK_Q, q_len)
+    kv_end = tl.maximum(tl.minimum(context_begin + last_q_exclusive, seq_len), 0)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    table_row_ptr = block_tables_ptr + row.to(tl.int64) * stride_table_row
+    kv_head_k = kv_head.to(tl.int64) * stride_kc_head
+    kv_head_v = kv_head.to(tl.int64) * stride_vc_head
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    for tile in range(tile_begin, tile_end):
+        position = tile * TILE_N + tl.arange(0, TILE_N)
+        position_valid = position < kv_end
+        block_id = tl.load(table_row_ptr + position // BLOCK_SIZE, mask=position_valid, other=0).to(
+            tl.int64
+        )
+        offset = position % BLOCK_SIZE
+        k_slot = block_id * stride_kc_block + offset * stride_kc_offset + kv_head_k
+        v_slot = block_id * stride_vc_block + offset * stride_vc_offset + kv_head_v
+        k = tl.load(  # [HEAD_DIM_PAD, TILE_N]: already transposed for q @ k
+            key_cache_ptr + k_slot[None, :] + offs_d[:, None],
+            mask=position_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(  # [TILE_N, HEAD_DIM_PAD]
+            value_cache_ptr + v_slot[:, None] + offs_d[None, :],
+            mask=position_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        visible = (position[None, :] <= q_position[:, None]) & position_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A tile row that has seen nothing yet keeps m = -inf; subtract 0 there, not -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Rows that saw no position (padding rows, empty splits) have l == 0 and acc == 0.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    result = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
+            + offs_d[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )  # fmt: skip
+    else:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        split_base = split.to(tl.int64) * stride_split_out_split
+        tl.store(
+            split_out_ptr + split_base + token[:, None] * stride_split_out_token
+            + head[:, None] * stride_split_out_head + offs_d[None, :],
+            result,
+            mask=row_valid[:, None],
+        )  # fmt: skip
+        tl.store(
+            split_lse_ptr + split.to(tl.int64) * stride_split_lse_split
+            + token * stride_split_lse_token + head,
+            lse,
+            mask=row_valid,
+        )  # fmt: skip
+
+
+@triton.jit
+def _merge_splits_kernel(  # noqa: PLR0917 - kernels take positional arguments
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    split_out_ptr,  # float32 [num_splits, num_tokens, num_q_heads, HEAD_DIM_PAD]
+    split_lse_ptr,  # float32 [num_splits, num_tokens, num_q_heads]
+    stride_out_token,
+    stride_out_head,
+    stride_split_out_split,
+    stride_split_out_token,
+    stride_split_out_head,
+    stride_split_lse_split,
+    stride_split_lse_token,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    lse = tl.load(
+        split_lse_ptr + splits * stride_split_lse_split + token * stride_split_lse_token + head,
+        mask=split_valid,
+        other=float("-inf"),
+    )
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.math.exp2(lse - lse_max)  # 0 for empty splits
+    total = tl.sum(weight, axis=0)
+    partial = tl.load(
+        split_out_ptr + splits[:, None] * stride_split_out_split + token * stride_split_out_token
+        + head * stride_split_out_head + offs_d[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )  # fmt: skip
+    # Empty splits wrote no partial output, only lse = -inf; never multiply their slot.
+    partial = tl.where(weight[:, None] > 0.0, partial, 0.0)
+    result = tl.sum(partial * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + offs_d,
+        result.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of :func:`_paged_attention_kernel` (all powers of two but splits)."""
+
+    block_m: int  # score-matrix rows per program: query tokens x GQA heads
+    tile_n: int  # KV positions per inner iteration
+    num_splits: int  # context splits per (tile, head); 1 writes the output directly
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(
+    *,
+    num_tokens: int,
+    num_rows: int,
+    num_kv_heads: int,
+    queries_per_kv: int,
+    head_dim: int,
+    device: torch.device,
+) -> AttentionConfig:
+    """Fixed heuristics (no autotuning: the interpreter cannot run it and CI must be stable).
+
+    The benchmark sweeps alternatives (``benchmarks/bench_kernels.py --sweep``) so these can be
+    revised from measurements.
+    """
+    group_rows = next_power_of_2(queries_per_kv)
+    if device.type == "cpu":  # the interpreter: small tiles so tiny tests cross many of them
+        return AttentionConfig(max(16, group_rows), 16, 1, num_warps=4, num_stages=1)
+    decode_like = num_tokens <= num_rows  # at most one query per row on average
+    head_dim_pad = next_power_of_2(head_dim)
+    if decode_like:  # memory-bound: small query tiles, long KV tiles, many resident programs
+        block_m, tile_n = 16, 64 if head_dim_pad <= 128 else 32
+        num_stages, waves = 2, 4
+    else:  # compute-bound: large query tiles amortise every K/V tile over more queries
+        block_m, tile_n = (128, 64) if head_dim_pad <= 128 else (64, 32)
+        num_stages, waves = 3, 2
+    block_m = max(block_m, group_rows)
+    block_q = block_m // queries_per_kv
+    programs = (num_tokens // block_q + num_rows) * num_kv_heads
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    # Too few programs to fill the SMs: split each row's context and merge the partial results.
+    target = waves * sm_count
+    num_splits = 1 if programs >= target else min(MAX_SPLITS, math.ceil(target / programs))
+    num_warps = 8 if block_m >= 128 else 4
+    return AttentionConfig(block_m, tile_n, num_splits, num_warps, num_stages)
+
+
+def paged_attention_triton(  # noqa: PLR0917 - mirrors paged_attention
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_rows, max_blocks_per_row]
+    query_start_loc: torch.Tensor,  # int32 [num_rows + 1]
+    seq_lens: torch.Tensor,  # int32 [num_rows]
+    softmax_scale: float,
+    out: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """Validate, pick a config (unless given: tests and benchmarks pin one) and launch."""
+    check_attention_shapes(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, softmax_scale, out
+    )
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} exceeds the kernel's maximum of {MAX_HEAD_DIM}")
+    if query.device.type == "cpu":  # interpreted: reading the metadata costs nothing here
+        check_attention_metadata(
+            block_tables, query_start_loc, seq_lens, num_tokens, num_blocks, block_size
+        )
+    require_matching_triton_mode(_paged_attention_kernel, query.device)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    num_rows = seq_lens.shape[0]
+    if num_tokens == 0 or num_rows == 0:
+        return out
+    queries_per_kv = num_q_heads // num_kv_heads
+    if config is None:
+        config = choose_config(
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            num_kv_heads=num_kv_heads,
+            queries_per_kv=queries_per_kv,
+            head_dim=head_dim,
+            device=query.device,
+        )
+    _check_config(config, queries_per_kv)
+    head_dim_pad = max(16, next_power_of_2(head_dim))
+    block_q = config.block_m // queries_per_kv
+    grid = (num_tokens // block_q + num_rows, num_kv_heads, config.num_splits)
+    if config.num_splits > 1:
+        split_out = torch.empty(
+            (config.num_splits, num_tokens, num_q_heads, head_dim_pad),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        split_lse = torch.empty(
+            (config.num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=query.device
+        )
+    else:  # never read; any float32 tensor satisfies the signature
+        split_out = split_lse = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
+    _paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        split_out, split_lse,
+        softmax_scale * _LOG2_E, num_rows,
+        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        split_out.stride(0), split_out.stride(1), split_out.stride(2),
+        split_lse.stride(0), split_lse.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        QUERIES_PER_KV=queries_per_kv,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=block_q,
+        TILE_N=config.tile_n,
+        NUM_SPLITS=config.num_splits,
+        # fp32 inputs must not be rounded to tf32 on tensor cores; 16-bit inputs ignore this.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    if config.num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out, split_out, split_lse,
+            out.stride(0), out.stride(1),
+            split_out.stride(0), split_out.stride(1), split_out.stride(2),
+            split_lse.stride(0), split_lse.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=config.num_splits,
+            SPLITS_PAD=next_power_of_2(config.num_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _check_config(config: AttentionConfig, queries_per_kv: int) -> None:
+    for name in ("block_m", "tile_n"):
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16, got {value}")
+    if config.block_m < queries_per_kv:
+        raise ValueError(
+            f"config.block_m ({config.block_m}) must hold one token's {queries_per_kv} query heads"
+        )
+    if not 1 <= config.num_splits <= MAX_SPLITS:
+        raise ValueError(f"config.num_splits must be in [1, {MAX_SPLITS}], got {config.num_splits}")
