@@ -18,6 +18,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvgate.admission_service.sim.cli", "run a workload file on the simulated executor"),
     "executor": ("kvgate.gpu_executor.cli", "serve a model's step plans over a WebSocket"),
     "make-tiny-model": ("kvgate.gpu_executor.tiny_model", "write a small random checkpoint"),
+    "admission-service": (
+        "kvgate.admission_service.cli",
+        "consume requests from Kafka, schedule them over executors, answer them",
+    ),
+    "sim-executor": (
+        "kvgate.admission_service.sim_server",
+        "serve the simulated executor over the WebSocket step protocol",
+    ),
 }
 
 
