@@ -225,31 +225,47 @@ class ExecutorHandle:
         self.sessions += 1
         self._evacuate = False
         self._observer.on_ready(self)
+        loop = asyncio.create_task(self._step_loop(session), name=f"kvgate-steps-{self.name}")
+        stop = asyncio.create_task(self._stop.wait())
         try:
-            await self._step_loop(session)
+            await asyncio.wait({loop, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not loop.done():
+            # Leaving: no need to wait for plans in flight — the session closes, and the
+            # executor resets when a session opens again. Cancelling at an await point leaves
+            # the scheduler consistent (between schedule/send or awaiting a result).
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+            self._retire(None)
+            return None
+        try:
+            loop.result()
         except (SessionLost, PlanRejected, SchedulerStalled) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             log.error("executor %s lost: %s", self.name, reason)
-            self._lose(reason)
+            self._retire(reason)
             return exc if isinstance(exc, SessionLost) else SessionLost(reason)
         except Exception as exc:  # a bug here must not leave requests stranded on this handle
             reason = f"internal error: {exc!r}"
             log.exception("executor %s: step loop failed", self.name)
-            self._lose(reason)
-            return exc if isinstance(exc, SessionLost) else SessionLost(reason)
-        self.connected = False
-        self.scheduler = None
+            self._retire(reason)
+            return SessionLost(reason)
+        self._retire(None)
         return None
 
-    def _lose(self, reason: str) -> None:
+    def _retire(self, failure: str | None) -> None:
+        """The session is over: every request goes back to the engine (to resume elsewhere by
+        recompute); ``failure`` says why when the session broke."""
         scheduler = self.scheduler
         self.connected = False
-        self.lost_reason = reason
+        self.lost_reason = failure
         self.scheduler = None
         if scheduler is not None:
             lifted = scheduler.evacuate(executor_alive=False)
             self._observer.on_events(self, scheduler.pop_events())
-            self._observer.on_lifted(self, lifted, reason)
+            self._observer.on_lifted(self, lifted, failure)
 
     # ------------------------------------------------------------------------- step loop
     async def _step_loop(self, session: StepSession) -> None:
@@ -259,16 +275,10 @@ class ExecutorHandle:
         inflight: deque[tuple[StepPlan, float]] = deque()
         observer = self._observer
         while True:
-            if not inflight:
-                if self._stop.is_set():
-                    self._lift(scheduler, None)
-                    return
-                if self._evacuate:
-                    self._evacuate = False
-                    self._lift(scheduler, None)
+            if not inflight and self._evacuate:
+                self._evacuate = False
+                self._lift(scheduler)
             while len(inflight) < allowed and scheduler.has_work and not self._evacuate:
-                if self._stop.is_set():
-                    break
                 plan = scheduler.schedule(self._clock())
                 events = scheduler.pop_events()
                 if events:
@@ -291,7 +301,7 @@ class ExecutorHandle:
     async def _idle(self, session: StepSession, *, poll: bool) -> None:
         """Wait for new work, a control request, or the session breaking (then raise)."""
         self._wake.clear()
-        if self._stop.is_set() or self._evacuate:
+        if self._evacuate:
             return
         woken = asyncio.ensure_future(self._wake.wait())
         lost = asyncio.ensure_future(session.wait_lost())
@@ -307,8 +317,8 @@ class ExecutorHandle:
         if lost.done() and not lost.cancelled():
             raise lost.result()
 
-    def _lift(self, scheduler: Scheduler, failure: str | None) -> None:
+    def _lift(self, scheduler: Scheduler) -> None:
         """Hand every request back to the engine; the next plan frees them on the executor."""
         lifted = scheduler.evacuate(executor_alive=True)
         if lifted:
-            self._observer.on_lifted(self, lifted, failure)
+            self._observer.on_lifted(self, lifted, None)

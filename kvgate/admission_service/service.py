@@ -224,7 +224,8 @@ class AdmissionService:
                 await asyncio.wait_for(self.intake.stop_fetching(), 10.0)
         if self.engine is not None:
             try:
-                await asyncio.wait_for(self.engine.wait_idle(), grace)
+                if self.engine.num_tracked:
+                    await asyncio.wait_for(self.engine.wait_idle(), grace)
             except TimeoutError:
                 log.warning(
                     "%d requests unfinished after %.0f s: handing them off",

@@ -15,7 +15,6 @@ and ``refuse`` makes new sessions fail to connect.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,39 +111,35 @@ class SimBackend:
         await self._released.wait()
 
 
-@dataclass(eq=False)
 class LocalSession:
-    backend: SimBackend
-    epoch: int
-    _results: asyncio.Queue[api.StepResult | SessionLost] = field(default_factory=asyncio.Queue)
-    _pending: list[asyncio.Task[None]] = field(default_factory=list)
-    _lost: SessionLost | None = None
-    _lost_event: asyncio.Event = field(default_factory=asyncio.Event)
+    """An in-process session: plans run in order on one worker task, as on an executor."""
+
+    def __init__(self, backend: SimBackend, epoch: int) -> None:
+        self.backend = backend
+        self.epoch = epoch
+        self._plans: asyncio.Queue[api.StepPlan] = asyncio.Queue()
+        self._results: asyncio.Queue[api.StepResult | SessionLost] = asyncio.Queue()
+        self._lost: SessionLost | None = None
+        self._lost_event = asyncio.Event()
+        self._worker = asyncio.create_task(self._work(), name="kvgate-local-executor")
 
     @property
     def info(self) -> api.ExecutorInfo:
         return self.backend.info
 
+    async def _work(self) -> None:
+        while True:
+            plan = await self._plans.get()
+            await self.backend.wait_released()
+            if self._lost is not None:
+                return
+            self._results.put_nowait(self.backend.execute(plan))
+
     async def send(self, plan: api.StepPlan) -> None:
         if self._lost is not None:
             raise self._lost
-        # Round-trip the plan through JSON, as the wire does: the test sees what a real
-        # executor would parse.
-        wire = api.StepPlan.model_validate_json(plan.model_dump_json())
-        if self.backend._held:
-            previous = self._pending[-1] if self._pending else None
-            self._pending.append(asyncio.create_task(self._run_when_released(wire, previous)))
-        else:
-            self._results.put_nowait(self.backend.execute(wire))
-
-    async def _run_when_released(
-        self, plan: api.StepPlan, previous: asyncio.Task[None] | None
-    ) -> None:
-        if previous is not None:
-            await asyncio.shield(previous)
-        await self.backend.wait_released()
-        if self._lost is None:
-            self._results.put_nowait(self.backend.execute(plan))
+        # Through JSON, as on the wire: the executor sees what a real one would parse.
+        self._plans.put_nowait(api.StepPlan.model_validate_json(plan.model_dump_json()))
 
     async def receive(self) -> api.StepResult:
         item = await self._results.get()
@@ -153,18 +148,17 @@ class LocalSession:
             raise item
         return item
 
+    async def wait_lost(self) -> SessionLost:
+        await self._lost_event.wait()
+        assert self._lost is not None
+        return self._lost
+
     def lose(self, reason: str, *, fenced: bool = False) -> None:
         if self._lost is None:
             self._lost = SessionLost(reason, fenced=fenced)
             self._lost_event.set()
             self._results.put_nowait(self._lost)
-        for task in self._pending:
-            task.cancel()
-
-    async def wait_lost(self) -> SessionLost:
-        await self._lost_event.wait()
-        assert self._lost is not None
-        return self._lost
+        self._worker.cancel()
 
     async def close(self) -> None:
         self.lose("closed by the admission service")

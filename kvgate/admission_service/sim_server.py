@@ -103,6 +103,7 @@ class SimExecutorServer:
             if not isinstance(plan, api.StepPlan):
                 await self._error(ws, api.ErrorCode.PROTOCOL, "session already open")
                 break
+            await self.backend.wait_released()  # a held backend (tests) answers nothing
             began = time.perf_counter()
             result = self.backend.execute(plan)
             remaining = self._step_time_s - (time.perf_counter() - began)

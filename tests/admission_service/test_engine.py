@@ -11,6 +11,7 @@ from kvgate.admission_service.messages import (
     RejectCode,
     ResultStatus,
 )
+
 from .helpers import (
     make_rig,
     reference_outputs,
