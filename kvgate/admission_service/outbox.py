@@ -43,6 +43,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 from aiokafka.structs import OffsetAndMetadata, RecordMetadata
 
 from kvgate.admission_service.delivery import CommitPoint, PartitionLedger
+from kvgate.admission_service.faults import BEFORE_COMMIT, CrashPoints
 from kvgate.admission_service.messages import (
     TRACEPARENT_HEADER,
     DeadLetter,
@@ -90,9 +91,11 @@ class Outbox:
         producer_factory: ProducerFactory,
         commit_offsets: CommitOffsets,
         metrics: ServiceMetrics,
+        crash_points: CrashPoints | None = None,
     ) -> None:
         self.settings = settings
         self.transactional = transactional
+        self._crash = crash_points or CrashPoints({})
         self._new_producer = producer_factory
         self._commit_offsets = commit_offsets
         self.metrics = metrics
@@ -291,6 +294,8 @@ class Outbox:
                 await producer.send_offsets_to_transaction(
                     {tp: (point.offset, point.metadata)}, self.settings.group_id
                 )
+            if pending.finals:
+                self._crash.reached(BEFORE_COMMIT)
             await producer.commit_transaction()
         except ProducerFenced:
             log.error("partition %d: another owner fenced this producer; dropping it", partition)
@@ -340,6 +345,8 @@ class Outbox:
                 points[partition] = point
         if not points:
             return
+        if any(pending.finals for pending in taken.values()):
+            self._crash.reached(BEFORE_COMMIT)
         offsets = {
             TopicPartition(self.settings.request_topic, p): OffsetAndMetadata(
                 point.offset, point.metadata

@@ -31,6 +31,7 @@ from opentelemetry import trace
 from kvgate.admission_service.admin import AdminApi
 from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_client import Connector, WebSocketConnector
+from kvgate.admission_service.faults import CrashPoints
 from kvgate.admission_service.intake import AbortReader, Intake, request_consumer
 from kvgate.admission_service.kafka_io import client_options, ensure_topics, exactly_once_enabled
 from kvgate.admission_service.metrics import ServiceMetrics, StateSnapshot
@@ -119,6 +120,7 @@ class AdmissionService:
             producer_factory=self._producer,
             commit_offsets=consumer.commit,
             metrics=self.metrics,
+            crash_points=CrashPoints(),
         )
         engine = Engine(
             self.engine_settings,

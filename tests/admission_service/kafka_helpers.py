@@ -82,9 +82,11 @@ async def read_all(
     timeout_s: float = 60.0,
     read_committed: bool = True,
     settle_s: float = 0.0,
+    key: bytes | None = None,
 ) -> list[Any]:
-    """Every record of ``topic`` from the start, once ``until_count`` are there (plus
-    ``settle_s`` more of reading, to catch duplicates that would arrive late)."""
+    """Every record of ``topic`` from the start (only those with ``key`` when given), once
+    ``until_count`` are there (plus ``settle_s`` more of reading, to catch duplicates that
+    would arrive late)."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         group_id=None,
@@ -111,7 +113,7 @@ async def read_all(
         while True:
             batch = await consumer.getmany(timeout_ms=200)
             for messages in batch.values():
-                records.extend(messages)
+                records.extend(m for m in messages if key is None or m.key == key)
             now = time.monotonic()
             if len(records) >= until_count and settle_until is None:
                 settle_until = now + settle_s
