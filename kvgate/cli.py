@@ -26,6 +26,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvgate.admission_service.sim_server",
         "serve the simulated executor over the WebSocket step protocol",
     ),
+    "demo": (
+        "kvgate.admission_service.demo",
+        "run broker, executor and admission service here, push a workload through, report",
+    ),
+    "run": (
+        "kvgate.admission_service.run_cli",
+        "run broker, executor and admission service here, serving until Ctrl-C",
+    ),
+    "produce": ("kvgate.admission_service.produce_cli", "produce requests from a JSON-lines file"),
+    "results": ("kvgate.admission_service.results_cli", "print results as JSON lines"),
 }
 
 

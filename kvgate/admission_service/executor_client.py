@@ -207,7 +207,7 @@ class WebSocketConnector:
                 raise SessionRefused(api.ErrorCode.UNAUTHORIZED, "bearer token refused") from exc
             raise ConnectFailed(f"{endpoint}: HTTP {exc.status} {exc.message}") from exc
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise ConnectFailed(f"{endpoint}: {exc!r}") from exc
+            raise ConnectFailed(f"{endpoint}: {exc or type(exc).__name__}") from exc
         try:
             opening = api.SessionOpen(epoch=epoch, session_id=uuid.uuid4().hex)
             await ws.send_str(opening.model_dump_json())

@@ -192,16 +192,22 @@ class ExecutorHandle:
     # ----------------------------------------------------------------------- supervision
     async def _supervise(self) -> None:
         backoff = self._settings.reconnect_initial_s
+        failures = 0
         while not self._stop.is_set():
             try:
                 session = await self._connector(self.spec.endpoint, self._epochs.next())
             except (ConnectFailed, SessionRefused) as exc:
                 self.lost_reason = self.lost_reason or f"not connected: {exc}"
-                log.warning("executor %s: %s; retrying in %.1f s", self.name, exc, backoff)
+                failures += 1
+                # Loud on the first failure and then every tenth: an executor that is still
+                # loading its model refuses connections for a while.
+                level = logging.WARNING if failures % 10 == 1 else logging.DEBUG
+                log.log(level, "executor %s: %s; retrying in %.1f s", self.name, exc, backoff)
                 await self._pause(backoff)
                 backoff = min(2 * backoff, self._settings.reconnect_max_s)
                 continue
             backoff = self._settings.reconnect_initial_s
+            failures = 0
             failure = await self._serve(session)
             with contextlib.suppress(Exception):
                 await session.close()

@@ -240,17 +240,35 @@ class AdmissionService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.outbox is not None:
             for partition in list(self.outbox.ledgers):
-                await self.outbox.close_partition(partition)
+                await _closing(f"partition {partition}", self.outbox.close_partition(partition))
         if self._aborts is not None:
-            await self._aborts.stop()
+            await _closing("the abort reader", self._aborts.stop())
         if self.intake is not None:
-            await self.intake.consumer.stop()
+            await _closing("the consumer", self.intake.consumer.stop())
         if self.outbox is not None:
-            await self.outbox.close()
+            await _closing("the producers", self.outbox.close())
         if self._http is not None:
             await self._http.close()
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+async def _closing(what: str, closing: Coroutine[Any, Any, None]) -> None:
+    """One shutdown step; its failure is logged and the next step still runs.
+
+    aiokafka can let a ``CancelledError`` of its own internal tasks escape from ``stop()``;
+    that one is swallowed here, while a cancellation of the shutdown itself propagates.
+    """
+    task = asyncio.ensure_future(closing)
+    try:
+        await asyncio.wait_for(asyncio.shield(task), 30.0)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+        log.warning("closing %s: an internal task was cancelled", what)
+    except Exception as exc:
+        log.warning("closing %s failed: %r", what, exc)
 
 
 async def serve(settings: ServiceSettings, stop: asyncio.Event, **options: Any) -> int:
