@@ -8,7 +8,8 @@ prefill chunk of another request) at batch 1/8/32, in tokens per second, for
 - ``dense``: the same weights and layer code with contiguous per-sequence K/V tensors and
   ``scaled_dot_product_attention`` (what a simple unpaged engine does), greedy argmax.
 
-The ratio paged/dense is measured in the same run. On a GPU a 1B-class config (random weights,
+The ratio paged/dense is measured in the same run: trials of the two alternate, and the table
+shows median rates and the median of per-trial ratios. On a GPU a 1B-class config (random weights,
 bf16) is measured too, with the share of step time spent in the attention/KV kernels.
 
     PYTHONPATH=. python benchmarks/bench_executor.py [--threads N] [--steps N] [--gpu-only]
@@ -36,7 +37,7 @@ from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
 
 SMALL = TinyModelSpec(
     family=ModelFamily.LLAMA, vocab_size=4096, hidden_size=512, intermediate_size=1408,
-    num_layers=4, num_heads=8, num_kv_heads=8, tokenizer=False,
+    num_layers=4, num_heads=8, num_kv_heads=8, tokenizer=False, max_position_embeddings=8192,
 )  # fmt: skip
 ONE_B = TinyModelSpec(
     family=ModelFamily.LLAMA, vocab_size=32000, hidden_size=2048, intermediate_size=8192,
@@ -46,6 +47,7 @@ ONE_B = TinyModelSpec(
 PROMPT_LEN = 128
 CHUNK = 64
 BLOCK_SIZE = 16
+TRIALS = 5
 
 
 def _sync(device: torch.device) -> None:
@@ -53,18 +55,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(step: Callable[[], int], steps: int, warmup: int, device: torch.device) -> float:
-    """Tokens per second over ``steps`` calls (median of three trials) after ``warmup`` calls."""
+def _rate(step: Callable[[], int], steps: int, device: torch.device) -> float:
+    _sync(device)
+    began = time.perf_counter()
+    tokens = sum(step() for _ in range(steps))
+    _sync(device)
+    return tokens / (time.perf_counter() - began)
+
+
+def _compare(
+    paged: Callable[[], int],
+    dense: Callable[[], int],
+    *,
+    steps: int,
+    warmup: int,
+    trials: int,
+    device: torch.device,
+) -> tuple[float, float, float]:
+    """Median tokens/s of each, and the median of per-trial ratios. Trials alternate between
+    the two so that load from other processes hits both alike."""  # fmt: skip
     for _ in range(warmup):
-        step()
-    rates = []
-    for _ in range(3):
-        _sync(device)
-        began = time.perf_counter()
-        tokens = sum(step() for _ in range(steps))
-        _sync(device)
-        rates.append(tokens / (time.perf_counter() - began))
-    return statistics.median(rates)
+        paged()
+        dense()
+    paged_rates, dense_rates = [], []
+    for _ in range(trials):
+        paged_rates.append(_rate(paged, steps, device))
+        dense_rates.append(_rate(dense, steps, device))
+    ratios = [p / d for p, d in zip(paged_rates, dense_rates, strict=True)]
+    return statistics.median(paged_rates), statistics.median(dense_rates), statistics.median(ratios)
 
 
 # ------------------------------------------------------------------------------- paged
@@ -102,7 +120,10 @@ class PagedRun:
             rows.append(_fill_row(rid, 0, PROMPT_LEN, completes=True))
         if mixed:
             feeder = [(3 * i) % vocab for i in range(CHUNK * (total_steps + 1))]
-            requests.append(api.NewRequest(request_id="feeder", prompt_token_ids=feeder))
+            sampling = api.SamplingParams(max_tokens=1)
+            requests.append(
+                api.NewRequest(request_id="feeder", prompt_token_ids=feeder, sampling=sampling)
+            )
             appends.append(self._pages("feeder", len(feeder)))
         plan = api.StepPlan(
             step_id=self._next(), new_requests=requests, block_appends=appends, prefill_rows=rows
@@ -232,7 +253,7 @@ def measure(
 ) -> None:
     loaded = load_model(model_dir, device=device, dtype=dtype)
     torch_device = loaded.model.device
-    total = warmup + 3 * steps
+    total = warmup + TRIALS * steps
     print("| step kind | batch | paged tok/s | dense tok/s | paged/dense | kernel share |")
     print("|---|---|---|---|---|---|")
     for mixed in (False, True):
@@ -243,14 +264,16 @@ def measure(
                 loaded, num_blocks=batch * per_request + feeder, block_size=BLOCK_SIZE
             )
             paged = PagedRun(executor, batch, total, mixed=mixed)
-            paged_rate = _timed(paged.step, steps, warmup, torch_device)
-            share = paged.kernel_s / paged.execute_s
             dense = DenseRun(loaded.model, batch, total, mixed=mixed)
-            dense_rate = _timed(dense.step, steps, warmup, torch_device)
+            paged_rate, dense_rate, ratio = _compare(
+                paged.step, dense.step, steps=steps, warmup=warmup, trials=TRIALS,
+                device=torch_device,
+            )  # fmt: skip
+            share = paged.kernel_s / paged.execute_s
             kind = "mixed" if mixed else "decode"
             print(
-                f"| {kind} | {batch} | {paged_rate:,.0f} | {dense_rate:,.0f} | "
-                f"{paged_rate / dense_rate:.2f} | {share:.0%} |",
+                f"| {kind} | {batch} | {paged_rate:,.0f} | {dense_rate:,.0f} | {ratio:.2f} | "
+                f"{share:.0%} |",
                 flush=True,
             )
             del executor, paged, dense

@@ -15,7 +15,7 @@ from typing import Protocol, cast
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sim": ("kvgate.admission_service.sim.cli", "run a workload file on the simulated executor"),
+    "sim": ("kvgate.sim_command", "run a workload file on the simulated or a real executor"),
     "executor": ("kvgate.gpu_executor.cli", "serve a model's step plans over a WebSocket"),
     "make-tiny-model": ("kvgate.gpu_executor.tiny_model", "write a small random checkpoint"),
     "admission-service": (
@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "produce": ("kvgate.admission_service.produce_cli", "produce requests from a JSON-lines file"),
     "results": ("kvgate.admission_service.results_cli", "print results as JSON lines"),
+    "operator": ("kvgate.operator.cli", "run the ExecutorPool operator (kopf)"),
 }
 
 

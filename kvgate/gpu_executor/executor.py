@@ -41,6 +41,14 @@ PROFILE_TOKENS = 2048
 
 
 class Executor:
+    """Weights and KV tensors of one model on one device; follows the plans it is given.
+
+    ``model`` is a loaded model or a directory (then ``device`` and ``dtype`` apply). The cache
+    holds ``num_blocks`` blocks, or on a GPU as many as ``memory_fraction`` of its memory allows
+    after a profiling forward of ``profile_tokens`` tokens. ``counters.num_requests`` counts
+    every request held, resident or swapped out.
+    """
+
     def __init__(
         self,
         model: LoadedModel | str | Path,

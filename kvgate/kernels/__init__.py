@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-def paged_attention(  # noqa: PLR0917 - the executor's call signature
+def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
@@ -60,9 +60,15 @@ def paged_attention(  # noqa: PLR0917 - the executor's call signature
     """
     if select_backend(query.device) is Backend.TORCH:
         return paged_attention_torch(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-            softmax_scale, out,
-        )  # fmt: skip
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            softmax_scale,
+            out,
+        )
     # Deferred: Triton reads TRITON_INTERPRET when the kernels are defined (see dispatch).
     from kvgate.kernels.triton_attention import paged_attention_triton  # noqa: PLC0415
 

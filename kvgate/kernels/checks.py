@@ -74,7 +74,7 @@ def _require_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, rank
     _require_last_dim_contiguous("value_cache", value_cache)
 
 
-def check_attention_shapes(  # noqa: PLR0917 - mirrors paged_attention
+def check_attention_shapes(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -143,7 +143,7 @@ def check_attention_shapes(  # noqa: PLR0917 - mirrors paged_attention
     _require_same_device(tensors)
 
 
-def check_attention_metadata(  # noqa: PLR0917 - one argument per metadata tensor
+def check_attention_metadata(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 
-def paged_attention_reference(  # noqa: PLR0917 - mirrors paged_attention
+def paged_attention_reference(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]

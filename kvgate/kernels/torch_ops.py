@@ -1,15 +1,17 @@
 """Vectorized torch implementations: what runs on CPU tensors when Triton is not interpreting.
 
 The CPU executor runs these for every layer of every step, so they avoid per-token Python loops:
-attention gathers each row's context out of the paged cache with one index operation and runs
-batched matrix products in float32. Decode rows (one query each) are batched together; rows with
-several queries run one at a time, in bounded query chunks, because padding a long prefill chunk
-and a short decode row to one shape would waste memory quadratically.
+attention gathers each row's context out of the paged cache with one index operation over whole
+blocks and runs torch's fused ``scaled_dot_product_attention`` in float32 (grouped-query heads
+natively). Decode rows (one query each) are batched together; rows with several queries run one
+at a time, in bounded query chunks, because padding a long prefill chunk and a short decode row
+to one shape would waste memory quadratically.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvgate.kernels.checks import (
     check_attention_metadata,
@@ -25,50 +27,44 @@ _MAX_QUERY_CHUNK = 128
 
 
 def _gather_context(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     tables: torch.Tensor,  # int64 [n, max_blocks_per_row]
     lengths: torch.Tensor,  # int64 [n]
     max_len: int,
-) -> torch.Tensor:  # float32 [n, max_len, num_kv_heads, head_dim]; zero past each length
-    block_size = cache.shape[1]
-    positions = torch.arange(max_len)
-    block_index = positions // block_size  # [max_len]
-    block_ids = tables[:, block_index]  # [n, max_len]
-    in_context = positions[None, :] < lengths[:, None]  # [n, max_len]
-    # Table entries past a row's context may hold anything: read block 0 there instead, then
-    # zero those positions, since a masked score times a NaN from unwritten memory is NaN.
-    block_ids = torch.where(in_context, block_ids, 0)
-    offsets = (positions % block_size).expand_as(block_ids)
-    gathered = cache[block_ids, offsets].to(torch.float32)
-    return gathered.masked_fill_(~in_context[:, :, None, None], 0.0)
+) -> torch.Tensor:  # float32 [n, num_kv_heads, max_len, head_dim], zero past each length
+    """Rows' contexts as contiguous head-major float32 tensors, copied block by block."""
+    n = tables.shape[0]
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    num_table_blocks = -(-max_len // block_size)
+    block_starts = torch.arange(num_table_blocks) * block_size
+    # Table entries past a row's context may hold anything, even out-of-range ids: read block 0.
+    block_ids = torch.where(
+        block_starts[None, :] < lengths[:, None], tables[:, :num_table_blocks], 0
+    )
+    blocks = cache[block_ids]  # [n, num_table_blocks, block_size, num_kv_heads, head_dim]
+    positions = blocks.view(n, num_table_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+    context = positions.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
+    past_end = torch.arange(max_len)[None, :] >= lengths[:, None]  # [n, max_len]
+    if bool(past_end.any()):
+        # Masked scores give exact zero weights, but 0 * NaN from unwritten memory is NaN.
+        context.masked_fill_(past_end[:, None, :, None], 0.0)
+    return context
 
 
 def _attend(
-    query: torch.Tensor,  # float32 [n, q_len, num_q_heads, head_dim]
-    keys: torch.Tensor,  # float32 [n, ctx, num_kv_heads, head_dim]
-    values: torch.Tensor,  # float32 [n, ctx, num_kv_heads, head_dim]
-    visible: torch.Tensor,  # bool [n, q_len, ctx]
+    query: torch.Tensor,  # float32 [n, num_q_heads, q_len, head_dim]
+    keys: torch.Tensor,  # float32 [n, num_kv_heads, ctx, head_dim]
+    values: torch.Tensor,  # float32 [n, num_kv_heads, ctx, head_dim]
+    visible: torch.Tensor | None,  # bool [n, 1, q_len, ctx]; None: every position visible
     softmax_scale: float,
-) -> torch.Tensor:  # float32 [n, q_len, num_q_heads, head_dim]
+) -> torch.Tensor:  # float32 [n, num_q_heads, q_len, head_dim]
     """Masked grouped-query attention; every query must see at least one position."""
-    n, q_len, num_q_heads, head_dim = query.shape
-    num_kv_heads = keys.shape[2]
-    group = num_q_heads // num_kv_heads
-    # Query heads of one KV head become extra query rows: [n, kv, group * q_len, d].
-    q = query.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(n, num_kv_heads, group * q_len, head_dim)
-    k = keys.permute(0, 2, 3, 1)  # [n, kv, d, ctx]
-    v = values.permute(0, 2, 1, 3)  # [n, kv, ctx, d]
-    scores = torch.matmul(q, k) * softmax_scale  # [n, kv, group * q_len, ctx]
-    mask = visible[:, None, None, :, :].expand(n, num_kv_heads, group, q_len, keys.shape[1])
-    scores = scores.masked_fill(~mask.reshape(scores.shape), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [n, kv, group * q_len, d]
-    out = out.view(n, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(n, q_len, num_q_heads, head_dim)
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=visible, scale=softmax_scale, enable_gqa=True
+    )
 
 
-def paged_attention_torch(  # noqa: PLR0917 - mirrors paged_attention
+def paged_attention_torch(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     value_cache: torch.Tensor,
@@ -116,10 +112,12 @@ def paged_attention_torch(  # noqa: PLR0917 - mirrors paged_attention
         keys = _gather_context(key_cache, tables[rows], lengths, max_len)
         values = _gather_context(value_cache, tables[rows], lengths, max_len)
         tokens = torch.tensor([starts[r] for r in batch])
-        q = query[tokens].to(torch.float32)[:, None]  # [n, 1, heads, d]
-        visible = (torch.arange(max_len)[None, :] < lengths[:, None])[:, None, :]
+        q = query[tokens].to(torch.float32)[:, :, None]  # [n, heads, 1, d]
+        visible = None
+        if bool((lengths < max_len).any()):
+            visible = (torch.arange(max_len)[None, :] < lengths[:, None])[:, None, None, :]
         result = _attend(q, keys, values, visible, softmax_scale)
-        out[tokens] = result[:, 0].to(out.dtype)
+        out[tokens] = result[:, :, 0].to(out.dtype)
 
     # Rows with several queries (prefill chunks), in bounded query chunks.
     for r in chunk_rows:
@@ -134,15 +132,15 @@ def paged_attention_torch(  # noqa: PLR0917 - mirrors paged_attention
             positions = first_position + torch.arange(chunk_begin - q_begin, chunk_end - q_begin)
             visible_len = int(positions[-1]) + 1
             visible = torch.arange(visible_len)[None, :] <= positions[:, None]
-            q = query[chunk_begin:chunk_end].to(torch.float32)[None]
+            q = query[chunk_begin:chunk_end].to(torch.float32).transpose(0, 1)[None]
             result = _attend(
                 q,
-                keys[:, :visible_len],
-                values[:, :visible_len],
-                visible[None],
+                keys[:, :, :visible_len],
+                values[:, :, :visible_len],
+                visible[None, None],
                 softmax_scale,
             )
-            out[chunk_begin:chunk_end] = result[0].to(out.dtype)
+            out[chunk_begin:chunk_end] = result[0].transpose(0, 1).to(out.dtype)
     return out
 
 

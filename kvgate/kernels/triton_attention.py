@@ -25,19 +25,24 @@ cut into ``num_splits`` ranges whose normalised partial outputs and log-sum-exps
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from kvgate.kernels.attention_config import (
+    MAX_HEAD_DIM,
+    AttentionConfig,
+    attention_constants,
+    check_config,
+    choose_config,
+    next_power_of_2,
+)
 from kvgate.kernels.checks import check_attention_metadata, check_attention_shapes
-from kvgate.kernels.triton_common import next_power_of_2, require_matching_triton_mode
+from kvgate.kernels.triton_common import require_matching_triton_mode
+
+__all__ = ["AttentionConfig", "paged_attention_triton"]
 
 _LOG2_E = 1.4426950408889634
-MAX_HEAD_DIM = 256
-MAX_SPLITS = 16
 
 
 @triton.jit
@@ -61,7 +66,7 @@ def _find_row(
 
 
 @triton.jit
-def _paged_attention_kernel(  # noqa: PLR0917 - kernels take positional arguments
+def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided)
@@ -186,30 +191,37 @@ def _paged_attention_kernel(  # noqa: PLR0917 - kernels take positional argument
     result = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
         tl.store(
-            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
+            out_ptr
+            + token[:, None] * stride_out_token
+            + head[:, None] * stride_out_head
             + offs_d[None, :],
             result.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & dim_valid[None, :],
-        )  # fmt: skip
+        )
     else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         split_base = split.to(tl.int64) * stride_split_out_split
         tl.store(
-            split_out_ptr + split_base + token[:, None] * stride_split_out_token
-            + head[:, None] * stride_split_out_head + offs_d[None, :],
+            split_out_ptr
+            + split_base
+            + token[:, None] * stride_split_out_token
+            + head[:, None] * stride_split_out_head
+            + offs_d[None, :],
             result,
             mask=row_valid[:, None],
-        )  # fmt: skip
+        )
         tl.store(
-            split_lse_ptr + split.to(tl.int64) * stride_split_lse_split
-            + token * stride_split_lse_token + head,
+            split_lse_ptr
+            + split.to(tl.int64) * stride_split_lse_split
+            + token * stride_split_lse_token
+            + head,
             lse,
             mask=row_valid,
-        )  # fmt: skip
+        )
 
 
 @triton.jit
-def _merge_splits_kernel(  # noqa: PLR0917 - kernels take positional arguments
+def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     split_out_ptr,  # float32 [num_splits, num_tokens, num_q_heads, HEAD_DIM_PAD]
     split_lse_ptr,  # float32 [num_splits, num_tokens, num_q_heads]
@@ -240,11 +252,14 @@ def _merge_splits_kernel(  # noqa: PLR0917 - kernels take positional arguments
     weight = tl.math.exp2(lse - lse_max)  # 0 for empty splits
     total = tl.sum(weight, axis=0)
     partial = tl.load(
-        split_out_ptr + splits[:, None] * stride_split_out_split + token * stride_split_out_token
-        + head * stride_split_out_head + offs_d[None, :],
+        split_out_ptr
+        + splits[:, None] * stride_split_out_split
+        + token * stride_split_out_token
+        + head * stride_split_out_head
+        + offs_d[None, :],
         mask=split_valid[:, None],
         other=0.0,
-    )  # fmt: skip
+    )
     # Empty splits wrote no partial output, only lse = -inf; never multiply their slot.
     partial = tl.where(weight[:, None] > 0.0, partial, 0.0)
     result = tl.sum(partial * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
@@ -255,54 +270,7 @@ def _merge_splits_kernel(  # noqa: PLR0917 - kernels take positional arguments
     )
 
 
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Launch parameters of :func:`_paged_attention_kernel` (all powers of two but splits)."""
-
-    block_m: int  # score-matrix rows per program: query tokens x GQA heads
-    tile_n: int  # KV positions per inner iteration
-    num_splits: int  # context splits per (tile, head); 1 writes the output directly
-    num_warps: int
-    num_stages: int
-
-
-def choose_config(
-    *,
-    num_tokens: int,
-    num_rows: int,
-    num_kv_heads: int,
-    queries_per_kv: int,
-    head_dim: int,
-    device: torch.device,
-) -> AttentionConfig:
-    """Fixed heuristics (no autotuning: the interpreter cannot run it and CI must be stable).
-
-    The benchmark sweeps alternatives (``benchmarks/bench_kernels.py --sweep``) so these can be
-    revised from measurements.
-    """
-    group_rows = next_power_of_2(queries_per_kv)
-    if device.type == "cpu":  # the interpreter: small tiles so tiny tests cross many of them
-        return AttentionConfig(max(16, group_rows), 16, 1, num_warps=4, num_stages=1)
-    decode_like = num_tokens <= num_rows  # at most one query per row on average
-    head_dim_pad = next_power_of_2(head_dim)
-    if decode_like:  # memory-bound: small query tiles, long KV tiles, many resident programs
-        block_m, tile_n = 16, 64 if head_dim_pad <= 128 else 32
-        num_stages, waves = 2, 4
-    else:  # compute-bound: large query tiles amortise every K/V tile over more queries
-        block_m, tile_n = (128, 64) if head_dim_pad <= 128 else (64, 32)
-        num_stages, waves = 3, 2
-    block_m = max(block_m, group_rows)
-    block_q = block_m // queries_per_kv
-    programs = (num_tokens // block_q + num_rows) * num_kv_heads
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    # Too few programs to fill the SMs: split each row's context and merge the partial results.
-    target = waves * sm_count
-    num_splits = 1 if programs >= target else min(MAX_SPLITS, math.ceil(target / programs))
-    num_warps = 8 if block_m >= 128 else 4
-    return AttentionConfig(block_m, tile_n, num_splits, num_warps, num_stages)
-
-
-def paged_attention_triton(  # noqa: PLR0917 - mirrors paged_attention
+def paged_attention_triton(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     value_cache: torch.Tensor,
@@ -321,6 +289,12 @@ def paged_attention_triton(  # noqa: PLR0917 - mirrors paged_attention
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} exceeds the kernel's maximum of {MAX_HEAD_DIM}")
+    if query.device.type == "cpu" and query.dtype == torch.bfloat16:
+        # Measured: the interpreter's bf16 dot products are off by orders of magnitude.
+        raise ValueError(
+            "the Triton interpreter computes bfloat16 attention wrongly: run bf16 on CUDA, or on "
+            "CPU without TRITON_INTERPRET (the torch path)"
+        )
     if query.device.type == "cpu":  # interpreted: reading the metadata costs nothing here
         check_attention_metadata(
             block_tables, query_start_loc, seq_lens, num_tokens, num_blocks, block_size
@@ -333,17 +307,30 @@ def paged_attention_triton(  # noqa: PLR0917 - mirrors paged_attention
         return out
     queries_per_kv = num_q_heads // num_kv_heads
     if config is None:
+        sm_count = (
+            torch.cuda.get_device_properties(query.device).multi_processor_count
+            if query.device.type == "cuda"
+            else None
+        )
         config = choose_config(
             num_tokens=num_tokens,
             num_rows=num_rows,
             num_kv_heads=num_kv_heads,
             queries_per_kv=queries_per_kv,
             head_dim=head_dim,
-            device=query.device,
+            dtype=query.dtype,
+            sm_count=sm_count,
         )
-    _check_config(config, queries_per_kv)
-    head_dim_pad = max(16, next_power_of_2(head_dim))
-    block_q = config.block_m // queries_per_kv
+    check_config(config, queries_per_kv)
+    constants = attention_constants(
+        config=config,
+        head_dim=head_dim,
+        block_size=block_size,
+        queries_per_kv=queries_per_kv,
+        dtype=query.dtype,
+    )
+    head_dim_pad = constants["HEAD_DIM_PAD"]
+    block_q = constants["BLOCK_Q"]
     grid = (num_tokens // block_q + num_rows, num_kv_heads, config.num_splits)
     if config.num_splits > 1:
         split_out = torch.empty(
@@ -357,51 +344,53 @@ def paged_attention_triton(  # noqa: PLR0917 - mirrors paged_attention
     else:  # never read; any float32 tensor satisfies the signature
         split_out = split_lse = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        split_out, split_lse,
-        softmax_scale * _LOG2_E, num_rows,
-        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        split_out,
+        split_lse,
+        softmax_scale * _LOG2_E,
+        num_rows,
+        out.stride(0),
+        out.stride(1),
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        split_out.stride(0), split_out.stride(1), split_out.stride(2),
-        split_lse.stride(0), split_lse.stride(1),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size,
-        QUERIES_PER_KV=queries_per_kv,
-        BLOCK_M=config.block_m,
-        BLOCK_Q=block_q,
-        TILE_N=config.tile_n,
-        NUM_SPLITS=config.num_splits,
-        # fp32 inputs must not be rounded to tf32 on tensor cores; 16-bit inputs ignore this.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        split_out.stride(0),
+        split_out.stride(1),
+        split_out.stride(2),
+        split_lse.stride(0),
+        split_lse.stride(1),
+        **constants,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-    )  # fmt: skip
+    )
     if config.num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
-            out, split_out, split_lse,
-            out.stride(0), out.stride(1),
-            split_out.stride(0), split_out.stride(1), split_out.stride(2),
-            split_lse.stride(0), split_lse.stride(1),
+            out,
+            split_out,
+            split_lse,
+            out.stride(0),
+            out.stride(1),
+            split_out.stride(0),
+            split_out.stride(1),
+            split_out.stride(2),
+            split_lse.stride(0),
+            split_lse.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=config.num_splits,
             SPLITS_PAD=next_power_of_2(config.num_splits),
             num_warps=4,
-        )  # fmt: skip
-    return out
-
-
-def _check_config(config: AttentionConfig, queries_per_kv: int) -> None:
-    for name in ("block_m", "tile_n"):
-        value = getattr(config, name)
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"config.{name} must be a power of two >= 16, got {value}")
-    if config.block_m < queries_per_kv:
-        raise ValueError(
-            f"config.block_m ({config.block_m}) must hold one token's {queries_per_kv} query heads"
         )
-    if not 1 <= config.num_splits <= MAX_SPLITS:
-        raise ValueError(f"config.num_splits must be in [1, {MAX_SPLITS}], got {config.num_splits}")
+    return out

@@ -13,12 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvgate.kernels.attention_config import next_power_of_2
 from kvgate.kernels.checks import check_copy_slots, check_write_kv
-from kvgate.kernels.triton_common import next_power_of_2, require_matching_triton_mode
+from kvgate.kernels.triton_common import require_matching_triton_mode
 
 
 @triton.jit
-def _write_kv_kernel(  # noqa: PLR0917 - kernels take positional arguments
+def _write_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided)
@@ -96,7 +97,7 @@ def write_kv_triton(
 
 
 @triton.jit
-def _copy_slots_kernel(  # noqa: PLR0917 - kernels take positional arguments
+def _copy_slots_kernel(
     key_cache_ptr,  # [num_blocks, num_layers, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, num_layers, block_size, num_kv_heads, head_dim]
     src_slots_ptr,  # int64 [n]

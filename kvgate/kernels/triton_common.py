@@ -6,11 +6,6 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= ``n`` (and >= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def require_matching_triton_mode(kernel: object, device: torch.device) -> None:
     """Fail clearly when a kernel's compiled/interpreted mode does not fit the tensors' device.
 

@@ -5,6 +5,8 @@ placeholder rows, snapshot swap-out/in and recompute restores in the middle of d
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -177,3 +179,25 @@ def test_a_fill_cannot_start_inside_a_block(llama: LoadedModel) -> None:
     )
     result = _executor(llama).execute(plan)
     assert result.error is not None and "block boundary" in result.error.message
+
+
+@pytest.mark.parametrize("seed", range(1, 7))
+def test_random_plan_shapes_match_reference(family_model: LoadedModel, seed: int) -> None:
+    """Random mixes of chunk size, wavefront, batching, async plans and preemptions."""
+    rng = random.Random(seed)
+    requests = mixed_requests(family_model, count=7, seed=seed, max_arrival=8)
+    ids = [r.request_id for r, _ in requests]
+    config = DriverConfig(
+        chunk_size=rng.choice([1, 3, 4, 8, 16]),
+        wavefront=rng.random() < 0.5,
+        mixed=rng.random() < 0.7,
+        async_plans=rng.random() < 0.5,
+        max_rows=rng.choice([2, 4, 64]),
+        shuffle_seed=seed,
+        swap_after={rid: rng.randint(1, 6) for rid in rng.sample(ids, 2)},
+        recompute_after={rid: rng.randint(1, 6) for rid in rng.sample(ids, 2)},
+        restore_delay=rng.randint(1, 3),
+    )
+    executor = _executor(family_model)
+    assert Driver(executor, requests, config).run() == reference_outputs(family_model, requests)
+    assert executor.counters == api.ExecutorCounters() and executor.blocks_used == 0

@@ -202,9 +202,18 @@ def test_a_hung_harness_dockerd_is_never_joined_by_a_second_one(tmp_path: Path) 
     paths = EnginePaths.for_cache(tmp_path)
     # Stands in for a dockerd that has our data root but no longer answers.
     hung = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", f"--data-root={paths.data_root}"]
+        [
+            sys.executable,
+            "-c",
+            "import time; print('up', flush=True); time.sleep(60)",
+            f"--data-root={paths.data_root}",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
+        assert hung.stdout is not None
+        assert hung.stdout.readline() == "up\n"  # exec'd: its cmdline is the one above
         paths.run_dir.mkdir(parents=True)
         paths.pidfile.write_text(f"{hung.pid}\n")
         assert docker_engine.running_managed_pid(paths) == hung.pid

@@ -49,8 +49,9 @@ def test_write_kv_into_a_layer_view(backend: str, dtype: torch.dtype, block_size
     num_slots = 5 * block_size
     gen = torch.Generator().manual_seed(3)
     slots = torch.randperm(num_slots, generator=gen)[:4]
-    slot_mapping = torch.tensor([int(slots[0]), -1, int(slots[1]), int(slots[2]), -7,
-                                 int(slots[3])])  # fmt: skip
+    slot_mapping = torch.tensor(
+        [int(slots[0]), -1, int(slots[1]), int(slots[2]), -7, int(slots[3])]
+    )
     key = torch.randn(6, 2, 80, generator=gen).to(dtype)
     value = torch.randn(6, 2, 80, generator=gen).to(dtype)
     expected_k, expected_v = write_kv_reference(

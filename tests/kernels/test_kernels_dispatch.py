@@ -85,6 +85,7 @@ def test_mode_mismatch_is_a_clear_error() -> None:
 def test_package_import_does_not_load_triton() -> None:
     """Importing kvgate.kernels must not fix Triton's mode (nor cost Triton's import time)."""
     code = "import sys, kvgate.kernels; assert 'triton' not in sys.modules, 'triton imported'"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=False, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
     assert result.returncode == 0, result.stderr

@@ -28,8 +28,9 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 def small_batch() -> PagedBatch:
-    return build_batch([Row(1, 9), Row(3, 5)], num_q_heads=4, num_kv_heads=2, head_dim=64,
-                       block_size=4)  # fmt: skip
+    return build_batch(
+        [Row(1, 9), Row(3, 5)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4
+    )
 
 
 def _table(batch: PagedBatch, row: int, col: int, value: int) -> torch.Tensor:
@@ -45,32 +46,80 @@ ATTENTION_CASES: list[tuple[str, Callable[[PagedBatch], dict[str, Any]], type, s
     ("cache-dtype", lambda b: {"query": b.query.half()}, TypeError, "must equal query dtype"),
     ("heads-not-multiple", lambda b: {"query": b.query[:, :3]}, ValueError, "multiple of"),
     ("head-dim", lambda b: {"query": b.query[..., :32]}, ValueError, "head_dim 32 differs"),
-    ("tables-int64", lambda b: {"block_tables": b.block_tables.long()}, TypeError,
-     "block_tables must be int32"),
-    ("qsl-length", lambda b: {"query_start_loc": b.query_start_loc[:2]}, ValueError,
-     "num_rows \\+ 1 = 3 offsets"),
-    ("seq-lens-length", lambda b: {"seq_lens": b.seq_lens[:1]}, ValueError,
-     "block_tables has 2 rows"),
-    ("query-last-dim-strided", lambda b: {"query": b.query.transpose(1, 2).contiguous()
-                                          .transpose(1, 2)}, ValueError, "contiguous last"),
-    ("qsl-not-from-zero", lambda b: {"query_start_loc": b.query_start_loc + 1}, ValueError,
-     "query_start_loc\\[0\\] must be 0"),
-    ("qsl-decreasing", lambda b: {"query_start_loc": torch.tensor([0, 3, 1], dtype=torch.int32)},
-     ValueError, "non-decreasing"),
-    ("qsl-short-of-tokens", lambda b: {"query_start_loc": torch.tensor([0, 1, 3],
-                                       dtype=torch.int32)}, ValueError, "must equal num_tokens"),
-    ("negative-seq-len", lambda b: {"seq_lens": torch.tensor([-1, 5], dtype=torch.int32)},
-     ValueError, "seq_lens must be >= 0"),
-    ("more-queries-than-context", lambda b: {"seq_lens": torch.tensor([9, 2], dtype=torch.int32)},
-     ValueError, "row 1 has 3 query tokens but seq_len 2"),
-    ("context-beyond-table", lambda b: {"seq_lens": torch.tensor([9, 40], dtype=torch.int32)},
-     ValueError, "block table holds only"),
-    ("block-id-too-large", lambda b: {"block_tables": _table(b, 0, 2, 10_000)}, ValueError,
-     "block_tables\\[0, 2\\] = 10000 is outside"),
-    ("block-id-negative", lambda b: {"block_tables": _table(b, 1, 1, -1)}, ValueError,
-     "block_tables\\[1, 1\\] = -1"),
+    (
+        "tables-int64",
+        lambda b: {"block_tables": b.block_tables.long()},
+        TypeError,
+        "block_tables must be int32",
+    ),
+    (
+        "qsl-length",
+        lambda b: {"query_start_loc": b.query_start_loc[:2]},
+        ValueError,
+        "num_rows \\+ 1 = 3 offsets",
+    ),
+    (
+        "seq-lens-length",
+        lambda b: {"seq_lens": b.seq_lens[:1]},
+        ValueError,
+        "block_tables has 2 rows",
+    ),
+    (
+        "query-last-dim-strided",
+        lambda b: {"query": b.query.transpose(1, 2).contiguous().transpose(1, 2)},
+        ValueError,
+        "contiguous last",
+    ),
+    (
+        "qsl-not-from-zero",
+        lambda b: {"query_start_loc": b.query_start_loc + 1},
+        ValueError,
+        "query_start_loc\\[0\\] must be 0",
+    ),
+    (
+        "qsl-decreasing",
+        lambda b: {"query_start_loc": torch.tensor([0, 3, 1], dtype=torch.int32)},
+        ValueError,
+        "non-decreasing",
+    ),
+    (
+        "qsl-short-of-tokens",
+        lambda b: {"query_start_loc": torch.tensor([0, 1, 3], dtype=torch.int32)},
+        ValueError,
+        "must equal num_tokens",
+    ),
+    (
+        "negative-seq-len",
+        lambda b: {"seq_lens": torch.tensor([-1, 5], dtype=torch.int32)},
+        ValueError,
+        "seq_lens must be >= 0",
+    ),
+    (
+        "more-queries-than-context",
+        lambda b: {"seq_lens": torch.tensor([9, 2], dtype=torch.int32)},
+        ValueError,
+        "row 1 has 3 query tokens but seq_len 2",
+    ),
+    (
+        "context-beyond-table",
+        lambda b: {"seq_lens": torch.tensor([9, 40], dtype=torch.int32)},
+        ValueError,
+        "block table holds only",
+    ),
+    (
+        "block-id-too-large",
+        lambda b: {"block_tables": _table(b, 0, 2, 10_000)},
+        ValueError,
+        "block_tables\\[0, 2\\] = 10000 is outside",
+    ),
+    (
+        "block-id-negative",
+        lambda b: {"block_tables": _table(b, 1, 1, -1)},
+        ValueError,
+        "block_tables\\[1, 1\\] = -1",
+    ),
     ("device-mix", lambda b: {"seq_lens": b.seq_lens.to("meta")}, ValueError, "one device"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -117,6 +166,15 @@ def test_triton_rejects_oversized_head_dim(interpreted_triton: None) -> None:
         kernels.paged_attention(*batch.args(), batch.softmax_scale)
 
 
+def test_interpreter_refuses_bf16_attention(interpreted_triton: None) -> None:
+    """Its bf16 dot products are wrong by orders of magnitude: an error beats a wrong answer."""
+    batch = build_batch(
+        [Row(1, 5)], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=4, dtype=torch.bfloat16
+    )
+    with pytest.raises(ValueError, match="interpreter computes bfloat16 attention wrongly"):
+        kernels.paged_attention(*batch.args(), batch.softmax_scale)
+
+
 def test_triton_rejects_bad_config(interpreted_triton: None) -> None:
     batch = small_batch()
     config = triton_attention.AttentionConfig(24, 16, 1, 4, 1)
@@ -135,16 +193,24 @@ def _kv_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 
 WRITE_CASES: list[tuple[str, dict[str, Any], type, str]] = [
-    ("slot-too-large", {"slot_mapping": torch.tensor([0, 16, 1])}, ValueError,
-     "holds slot 16 but the cache has 16 slots"),
+    (
+        "slot-too-large",
+        {"slot_mapping": torch.tensor([0, 16, 1])},
+        ValueError,
+        "holds slot 16 but the cache has 16 slots",
+    ),
     ("duplicate-slot", {"slot_mapping": torch.tensor([3, 3, 1])}, ValueError, "one slot twice"),
-    ("int32-slots", {"slot_mapping": torch.tensor([0, 1, 2], dtype=torch.int32)}, TypeError,
-     "slot_mapping must be int64"),
+    (
+        "int32-slots",
+        {"slot_mapping": torch.tensor([0, 1, 2], dtype=torch.int32)},
+        TypeError,
+        "slot_mapping must be int64",
+    ),
     ("slot-count", {"slot_mapping": torch.tensor([0, 1])}, ValueError, "2 slots for 3 tokens"),
     ("key-dtype", {"key": torch.randn(3, 2, 64).half()}, TypeError, "key dtype"),
     ("key-heads", {"key": torch.randn(3, 1, 64)}, ValueError, "does not fit"),
     ("value-shape", {"value": torch.randn(2, 2, 64)}, ValueError, "one shape"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -180,8 +246,9 @@ COPY_CASES: list[tuple[str, torch.Tensor, torch.Tensor, str]] = [
     [case[1:] for case in COPY_CASES],
     ids=[case[0] for case in COPY_CASES],
 )
-def test_copy_slots_rejects(backend: str, src: torch.Tensor, dst: torch.Tensor,
-                            pattern: str) -> None:  # fmt: skip
+def test_copy_slots_rejects(
+    backend: str, src: torch.Tensor, dst: torch.Tensor, pattern: str
+) -> None:
     _, _, key_cache, value_cache = _kv_inputs()
     before = key_cache.clone()
     with pytest.raises(ValueError, match=pattern):
@@ -192,8 +259,7 @@ def test_copy_slots_rejects(backend: str, src: torch.Tensor, dst: torch.Tensor,
 def test_copy_slots_rejects_layer_view(backend: str) -> None:
     _, _, key_cache, value_cache = _kv_inputs()
     with pytest.raises(ValueError, match="key_cache must be 5-D"):
-        kernels.copy_slots(key_cache[:, 0], value_cache[:, 0], torch.tensor([0]),
-                           torch.tensor([1]))  # fmt: skip
+        kernels.copy_slots(key_cache[:, 0], value_cache[:, 0], torch.tensor([0]), torch.tensor([1]))
 
 
 def test_block_swap_rejects() -> None:
@@ -207,6 +273,5 @@ def test_block_swap_rejects() -> None:
     with pytest.raises(ValueError, match="host_keys must be"):
         kernels.scatter_blocks(key_cache, value_cache, torch.tensor([0]), host_k, host_v)
     with pytest.raises(TypeError, match="host_values dtype"):
-        kernels.scatter_blocks(key_cache, value_cache, torch.tensor([0, 3]), host_k,
-                               host_v.half())  # fmt: skip
+        kernels.scatter_blocks(key_cache, value_cache, torch.tensor([0, 3]), host_k, host_v.half())
     assert torch.equal(key_cache, before)

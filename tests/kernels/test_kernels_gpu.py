@@ -63,16 +63,23 @@ HEAD_SHAPES = {
 def test_attention_matches_reference(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
     """The launcher's own config choice, over every row kind and long contexts."""
     num_q_heads, num_kv_heads, head_dim = heads
-    batch = build_batch(GPU_ROWS, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, block_size=16, dtype=dtype)  # fmt: skip
+    batch = build_batch(
+        GPU_ROWS,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+    )
     check(batch, kernels.paged_attention(*batch.to("cuda").args(), batch.softmax_scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 2, 32, 64])
 def test_attention_block_sizes(dtype: torch.dtype, block_size: int) -> None:
-    batch = build_batch(GPU_ROWS, num_q_heads=8, num_kv_heads=2, head_dim=80,
-                        block_size=block_size, dtype=dtype)  # fmt: skip
+    batch = build_batch(
+        GPU_ROWS, num_q_heads=8, num_kv_heads=2, head_dim=80, block_size=block_size, dtype=dtype
+    )
     check(batch, kernels.paged_attention(*batch.to("cuda").args(), batch.softmax_scale))
 
 
@@ -80,8 +87,9 @@ def test_attention_block_sizes(dtype: torch.dtype, block_size: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_decode_splits(num_splits: int, dtype: torch.dtype) -> None:
     rows = [Row(1, n) for n in (1, 17, 640, 4096, 3000, 64)]
-    batch = build_batch(rows, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                        dtype=dtype)  # fmt: skip
+    batch = build_batch(
+        rows, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype
+    )
     config = triton_attention.AttentionConfig(16, 64, num_splits, num_warps=4, num_stages=2)
     out = triton_attention.paged_attention_triton(
         *batch.to("cuda").args(), batch.softmax_scale, config=config
@@ -99,8 +107,9 @@ def test_decode_splits(num_splits: int, dtype: torch.dtype) -> None:
     ids=["prefill", "small", "split"],
 )
 def test_prefill_configs(config: triton_attention.AttentionConfig) -> None:
-    batch = build_batch(GPU_ROWS, num_q_heads=16, num_kv_heads=4, head_dim=128, block_size=16,
-                        dtype=torch.bfloat16)  # fmt: skip
+    batch = build_batch(
+        GPU_ROWS, num_q_heads=16, num_kv_heads=4, head_dim=128, block_size=16, dtype=torch.bfloat16
+    )
     out = triton_attention.paged_attention_triton(
         *batch.to("cuda").args(), batch.softmax_scale, config=config
     )
@@ -164,28 +173,46 @@ def test_offsets_beyond_int32() -> None:
         tables[r, :n_blocks] = blocks[used : used + n_blocks].to(torch.int32)
         used += n_blocks
         positions = torch.arange(row.seq_len)
-        slot_lists.append(tables[r, positions // block_size].long() * block_size
-                          + positions % block_size)  # fmt: skip
+        slot_lists.append(
+            tables[r, positions // block_size].long() * block_size + positions % block_size
+        )
         dense_keys.append(torch.randn(row.seq_len, num_kv_heads, head_dim, generator=gen).half())
         dense_values.append(torch.randn(row.seq_len, num_kv_heads, head_dim, generator=gen).half())
-    kernels.write_kv(torch.cat(dense_keys).cuda(), torch.cat(dense_values).cuda(),
-                     key_cache[:, 1], value_cache[:, 1], torch.cat(slot_lists).cuda())  # fmt: skip
+    kernels.write_kv(
+        torch.cat(dense_keys).cuda(),
+        torch.cat(dense_values).cuda(),
+        key_cache[:, 1],
+        value_cache[:, 1],
+        torch.cat(slot_lists).cuda(),
+    )
     q_lens = [r.q_len for r in rows]
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(sum(q_lens), 32, head_dim, generator=gen).half()
     batch = PagedBatch(
-        query=query, key_cache_5d=key_cache, value_cache_5d=value_cache, layer=1,
-        block_tables=tables, query_start_loc=starts,
+        query=query,
+        key_cache_5d=key_cache,
+        value_cache_5d=value_cache,
+        layer=1,
+        block_tables=tables,
+        query_start_loc=starts,
         seq_lens=torch.tensor([r.seq_len for r in rows], dtype=torch.int32),
-        dense_keys=dense_keys, dense_values=dense_values, softmax_scale=head_dim**-0.5,
-    )  # fmt: skip
+        dense_keys=dense_keys,
+        dense_values=dense_values,
+        softmax_scale=head_dim**-0.5,
+    )
     expected = dense_causal_attention(batch)
     for num_splits in (1, 4):
         config = triton_attention.AttentionConfig(64, 64, num_splits, num_warps=4, num_stages=2)
         out = triton_attention.paged_attention_triton(
-            query.cuda(), key_cache[:, 1], value_cache[:, 1], tables.cuda(), starts.cuda(),
-            batch.seq_lens.cuda(), batch.softmax_scale, config=config,
-        )  # fmt: skip
+            query.cuda(),
+            key_cache[:, 1],
+            value_cache[:, 1],
+            tables.cuda(),
+            starts.cuda(),
+            batch.seq_lens.cuda(),
+            batch.softmax_scale,
+            config=config,
+        )
         torch.testing.assert_close(out.cpu().double(), expected, atol=5e-3, rtol=5e-3)
 
     # Plane copy between two overflowing blocks, then a swap round trip of those blocks.
@@ -208,8 +235,9 @@ def test_large_batch_matches_torch_path() -> None:
     gen = torch.Generator().manual_seed(2)
     rows = [Row(1, int(n)) for n in torch.randint(1, 3000, (200,), generator=gen)]
     rows += [Row(512, 512), Row(512, 2048), Row(77, 1500)]
-    batch = build_batch(rows, num_q_heads=16, num_kv_heads=4, head_dim=128, block_size=16,
-                        dtype=torch.float16)  # fmt: skip
+    batch = build_batch(
+        rows, num_q_heads=16, num_kv_heads=4, head_dim=128, block_size=16, dtype=torch.float16
+    )
     out = kernels.paged_attention(*batch.to("cuda").args(), batch.softmax_scale)
     expected = kernels.paged_attention(*batch.args(), batch.softmax_scale)  # CPU torch path
     torch.testing.assert_close(out.cpu().float(), expected.float(), atol=5e-3, rtol=5e-3)

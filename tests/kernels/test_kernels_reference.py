@@ -51,17 +51,24 @@ def test_attention_reference_random_batches() -> None:
             seq_len = rng.choice([0, rng.randint(1, 40)])
             q_len = rng.randint(0, 3) if seq_len == 0 else rng.randint(0, seq_len)
             rows.append(Row(q_len, seq_len))
-        batch = build_batch(rows, num_q_heads=4, num_kv_heads=2, head_dim=8,
-                            block_size=rng.choice([1, 2, 4, 8]), dtype=torch.float64,
-                            seed=seed)  # fmt: skip
+        batch = build_batch(
+            rows,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            block_size=rng.choice([1, 2, 4, 8]),
+            dtype=torch.float64,
+            seed=seed,
+        )
         paged = paged_attention_reference(*batch.args(), batch.softmax_scale)
         torch.testing.assert_close(paged, dense_causal_attention(batch), atol=1e-12, rtol=1e-12)
 
 
 def test_dense_check_catches_a_wrong_causal_alignment() -> None:
     """The dense comparison is sharp: top-left causal alignment (a classic bug) is caught."""
-    batch = build_batch([Row(3, 10)], num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
-                        dtype=torch.float64)  # fmt: skip
+    batch = build_batch(
+        [Row(3, 10)], num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float64
+    )
     q = batch.query.transpose(0, 1)  # [heads, 3, d]
     k = batch.dense_keys[0].repeat_interleave(2, dim=1).transpose(0, 1)
     v = batch.dense_values[0].repeat_interleave(2, dim=1).transpose(0, 1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvgate.admission_service.scheduler.config import (
@@ -198,7 +200,7 @@ def test_refill_mode_gives_each_step_one_stage_and_alternates_when_both_wait() -
         has_prefill, has_decode = bool(plan.prefill_rows), bool(plan.decode.request_ids)
         assert not (has_prefill and has_decode), "refill never mixes stages in one step"
         kinds.append("P" if has_prefill else "D")
-    assert all(a != b for a, b in zip(kinds[:5], kinds[1:6], strict=True)), kinds
+    assert all(a != b for a, b in itertools.pairwise(kinds[:6])), kinds
 
 
 def test_mixed_mode_puts_prefill_and_decode_rows_in_one_step() -> None:

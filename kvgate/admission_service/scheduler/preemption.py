@@ -32,6 +32,7 @@ def find_victims(
         return None
     victims: list[Request] = []
     freed = 0
+    leader = next(iter(state.running), None)
     for victim in reversed(state.running):
         short_of_blocks = freed < blocks_short
         short_of_slot = need_slot and not victims
@@ -47,6 +48,7 @@ def find_victims(
             reason,
             step=state.step,
             min_residency_steps=state.config.min_residency_steps,
+            requester_leads=requester is leader,
         ):
             continue
         reclaimable = state.pool.reclaimable_blocks(victim.request_id, keep)

@@ -8,6 +8,8 @@ set -eu
 config=/opt/kafka/config/server.properties
 classpath='/opt/kafka/libs/*'
 logging=-Dlog4j2.configurationFile=/opt/kafka/config/log4j2.properties
+# The format tool runs for a second or two: C1 alone compiles all it needs.
+tool_jit=-XX:TieredStopAtLevel=1
 
 printf '%s\n' "$KAFKA_SERVER_PROPERTIES" > "$config"
 log_dir=$(sed -n 's/^log\.dirs=//p' "$config")
@@ -18,8 +20,8 @@ fi
 
 if [ ! -f "$log_dir/meta.properties" ]; then
   mkdir -p "$log_dir"
-  cluster_id=$(java "$logging" -cp "$classpath" kafka.tools.StorageTool random-uuid)
-  java "$logging" -cp "$classpath" kafka.tools.StorageTool format --standalone \
+  cluster_id=$(java "$tool_jit" "$logging" -cp "$classpath" kafka.tools.StorageTool random-uuid)
+  java "$tool_jit" "$logging" -cp "$classpath" kafka.tools.StorageTool format --standalone \
     -t "$cluster_id" -c "$config"
 fi
 

@@ -1,0 +1,329 @@
+"""One reconcile pass for one pool: observe, plan, act, report.
+
+A pass reads the pool afresh, so whatever triggered it (a spec change, a pod event, a retry)
+acts on the latest spec. Its phases::
+
+    read pool ──▶ parse spec ──▶ admin token, Services, ConfigMap, Deployment (create/patch)
+              ──▶ list executor pods, read membership ──▶ plan ──▶ act ──▶ write status
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import secrets
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Protocol
+
+import aiohttp
+from pydantic import ValidationError
+
+from kvgate.admission_service.admin_api import ExecutorSet, ExecutorStatus
+from kvgate.operator import planner
+from kvgate.operator.admin import AdminClient, AdminRejected, AdminUnavailable, admin_url
+from kvgate.operator.builders import (
+    PoolRef,
+    build_admin_token_secret,
+    build_admission_configmap,
+    build_admission_deployment,
+    build_admission_service,
+    build_executor_pod,
+    build_executor_service,
+    executor_revision,
+)
+from kvgate.operator.builders.common import with_spec_hash
+from kvgate.operator.config import OperatorConfig
+from kvgate.operator.kube import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    EXECUTOR_POOLS,
+    PODS,
+    SECRETS,
+    SERVICES,
+    ApiError,
+    ApiResource,
+    KubeApi,
+    RawObject,
+)
+from kvgate.operator.models import ExecutorPoolSpec, InvalidSpecError, parse_spec
+from kvgate.operator.naming import (
+    ADMIN_TOKEN_KEY,
+    ANNOTATION_DRAINING_SINCE,
+    ANNOTATION_SPEC_HASH,
+    admin_token_secret_name,
+)
+from kvgate.operator.observe import (
+    ObservedPod,
+    ObservedPool,
+    annotation,
+    controller_uid,
+    covers,
+    observe_pod,
+    observe_pool,
+)
+from kvgate.operator.report import (
+    deletion_event,
+    executor_selector,
+    pool_status,
+    problem_status_patch,
+)
+from kvgate.operator.status import ConditionType, Phase, PoolStatus
+
+
+class EventSink(Protocol):
+    """Posts a Kubernetes Event about ``obj`` (kopf.event in the operator)."""
+
+    def __call__(self, obj: RawObject, *, type: str, reason: str, message: str) -> None: ...
+
+
+class OutcomeKind(StrEnum):
+    CONVERGED = "converged"
+    WAITING = "waiting"  # look again after delay_s
+    INVALID = "invalid"  # the spec must change first
+    GONE = "gone"  # the pool is deleted or being deleted
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: OutcomeKind
+    message: str = ""
+    delay_s: float = 0.0
+    # Waiting for something no watch event reports (a drain, the admin API, a name conflict):
+    # only looking again tells when it is over.
+    poll: bool = False
+
+
+class Blocked(Exception):
+    """Something the operator must not override is in the way (reason, message)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class Reconciler:
+    def __init__(
+        self,
+        kube: KubeApi,
+        admin_session: aiohttp.ClientSession,
+        config: OperatorConfig,
+        events: EventSink,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._kube = kube
+        self._admin_session = admin_session
+        self._config = config
+        self._events = events
+        self._clock = clock
+
+    async def reconcile(self, namespace: str, name: str) -> Outcome:
+        raw = await self._kube.get(EXECUTOR_POOLS, namespace, name)
+        pool = observe_pool(raw) if raw is not None else None
+        if raw is None or pool is None or pool.deleting:
+            return Outcome(OutcomeKind.GONE)  # the garbage collector takes the children
+        try:
+            spec = parse_spec(pool.name, pool.spec)
+            image = spec.admission.image or self._config.admission_image
+            if image is None:
+                raise InvalidSpecError(
+                    "spec.admission.image: required, the operator has no default admission "
+                    "image (KVGATE_OPERATOR_ADMISSION_IMAGE)"
+                )
+            return await self._converge(raw, pool, spec, image)
+        except InvalidSpecError as error:
+            await self._report_problem(pool, Phase.FAILED, "InvalidSpec", error.message)
+            return Outcome(OutcomeKind.INVALID, error.message)
+        except Blocked as error:
+            await self._report_problem(pool, Phase.PENDING, error.reason, error.message)
+            return Outcome(
+                OutcomeKind.WAITING, error.message, self._config.max_backoff_s, poll=True
+            )
+
+    async def _converge(
+        self, raw: RawObject, pool: ObservedPool, spec: ExecutorPoolSpec, image: str
+    ) -> Outcome:
+        ref = PoolRef(pool.name, pool.namespace, pool.uid)
+        token = await self._admin_token(ref)
+        await self._ensure_children(ref, spec, image, token)
+        pods = await self._executor_pods(ref)
+        admin = AdminClient(
+            self._admin_session,
+            admin_url(self._config.admin_url_template, pool=ref.name, namespace=ref.namespace),
+            token,
+        )
+        paused = spec.admission.replicas == 0
+        # No admission service, no work on any executor: nothing to drain or to tell.
+        membership, admin_problem = ([], "") if paused else await self._membership(admin)
+        now = self._clock().replace(microsecond=0)
+        revision = executor_revision(ref, spec)
+        plan = planner.plan(
+            planner.PlanInput(
+                pool=ref.name,
+                replicas=spec.replicas,
+                revision=revision,
+                pods=pods,
+                membership=membership,
+                now=now,
+                drain_timeout=timedelta(seconds=spec.drain_timeout_seconds),
+                admin_problem=admin_problem,
+                admission_paused=paused,
+            )
+        )
+        await self._act(plan, raw=raw, ref=ref, spec=spec, admin=admin, now=now)
+        status = pool_status(pool, plan, now)
+        await self._write_status(pool, status)
+        if plan.converged:
+            return Outcome(OutcomeKind.CONVERGED)
+        ready = next(c for c in status.conditions if c.type is ConditionType.READY)
+        poll = plan.draining or membership is None
+        # Pod changes arrive as events; the slower resync only guards against missed ones.
+        delay_s = self._config.poll_interval_s if poll else self._config.resync_interval_s
+        return Outcome(OutcomeKind.WAITING, ready.message, delay_s, poll=poll)
+
+    async def _ensure_children(
+        self, ref: PoolRef, spec: ExecutorPoolSpec, image: str, token: str
+    ) -> None:
+        deployment = build_admission_deployment(ref, spec, image=image, admin_token=token)
+        for resource, manifest in (
+            (SERVICES, build_executor_service(ref)),
+            (SERVICES, build_admission_service(ref)),
+            (CONFIGMAPS, build_admission_configmap(ref, spec)),
+            (DEPLOYMENTS, deployment),
+        ):
+            await self._ensure(resource, ref, manifest)
+
+    async def _executor_pods(self, ref: PoolRef) -> list[ObservedPod]:
+        """This pool's executor pods (a same-named predecessor's pods are not ours)."""
+        items = await self._kube.list(PODS, ref.namespace, executor_selector(ref.name))
+        return [observe_pod(item) for item in items if controller_uid(item) == ref.uid]
+
+    async def _admin_token(self, ref: PoolRef) -> str:
+        """The pool's admin token, from its Secret; created on first use."""
+        name = admin_token_secret_name(ref.name)
+        raw = await self._kube.get(SECRETS, ref.namespace, name)
+        if raw is None:
+            token = secrets.token_urlsafe(32)
+            if await self._kube.create(
+                SECRETS, ref.namespace, build_admin_token_secret(ref, token)
+            ):
+                return token
+            raw = await self._kube.get(SECRETS, ref.namespace, name)  # created meanwhile
+            if raw is None:
+                raise ApiError(409, "Conflict", f"Secret {name} appears and disappears")
+        if controller_uid(raw) != ref.uid:
+            raise Blocked("NameConflict", f"Secret {name} exists and does not belong to this pool")
+        data = raw.get("data")
+        encoded = data.get(ADMIN_TOKEN_KEY) if isinstance(data, Mapping) else None
+        try:
+            token = base64.b64decode(str(encoded), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            token = ""
+        if encoded is None or not token:
+            # Damaged by hand: issue a new token (the admission pod restarts with it).
+            token = secrets.token_urlsafe(32)
+            fixed = build_admin_token_secret(ref, token)
+            await self._kube.merge_patch(SECRETS, ref.namespace, name, {"data": fixed["data"]})
+        return token
+
+    async def _ensure(self, resource: ApiResource, ref: PoolRef, manifest: RawObject) -> None:
+        """Create the child, or patch it when its spec hash differs from the built one."""
+        desired = with_spec_hash(manifest)
+        name = desired["metadata"]["name"]
+        live = await self._kube.get(resource, ref.namespace, name)
+        if live is None:
+            if await self._write(self._kube.create(resource, ref.namespace, desired), desired):
+                return
+            live = await self._kube.get(resource, ref.namespace, name)
+            if live is None:
+                raise ApiError(409, "Conflict", f"{desired['kind']} {name} appears and disappears")
+        if controller_uid(live) != ref.uid:
+            raise Blocked(
+                "NameConflict",
+                f"{desired['kind']} {name} exists and does not belong to this pool; "
+                "delete it or rename the pool",
+            )
+        # Patch when the spec changed (hash), or when someone changed what we set (drift).
+        wanted = desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+        if annotation(live, ANNOTATION_SPEC_HASH) != wanted or not covers(live, desired):
+            await self._write(
+                self._kube.merge_patch(resource, ref.namespace, name, desired), desired
+            )
+
+    @staticmethod
+    async def _write(call: Awaitable[bool], manifest: RawObject) -> bool:
+        """A create or patch of an object built from the spec. The API server refusing it
+        (400, 422: e.g. a malformed affinity passed through) is a problem of the spec."""
+        try:
+            return await call
+        except ApiError as error:
+            if error.status in (400, 422):
+                kind, name = manifest["kind"], manifest["metadata"]["name"]
+                raise InvalidSpecError(
+                    f"the API server refused {kind} {name}: {error.message}"
+                ) from None
+            raise
+
+    async def _membership(self, admin: AdminClient) -> tuple[list[ExecutorStatus] | None, str]:
+        try:
+            return (await admin.membership()).executors, ""
+        except (AdminUnavailable, AdminRejected) as error:
+            return None, str(error)
+
+    async def _act(
+        self,
+        plan: planner.Plan,
+        *,
+        raw: RawObject,
+        ref: PoolRef,
+        spec: ExecutorPoolSpec,
+        admin: AdminClient,
+        now: datetime,
+    ) -> None:
+        """Drain, then update membership, then delete, then create: a pod leaves the
+        membership before it goes, and joins it only once ready (a later pass)."""
+        for drain in plan.drains:
+            if drain.mark:
+                mark = {"metadata": {"annotations": {ANNOTATION_DRAINING_SINCE: now.isoformat()}}}
+                if not await self._kube.merge_patch(PODS, ref.namespace, drain.name, mark):
+                    continue  # gone meanwhile: nothing to drain
+            await admin.drain(drain.name)
+            if drain.mark:
+                self._event(raw, "Normal", "DrainStarted", f"draining {drain.name} ({drain.cause})")
+        if plan.membership is not None:
+            await admin.set_membership(ExecutorSet(executors=list(plan.membership)))
+            names = ", ".join(e.name for e in plan.membership) or "none"
+            self._event(raw, "Normal", "MembershipUpdated", f"executors: {names}")
+        for deletion in plan.deletions:
+            if await self._kube.delete(PODS, ref.namespace, deletion.name, uid=deletion.uid):
+                self._event(raw, *deletion_event(deletion, spec))
+        for slot in plan.creations:
+            pod = build_executor_pod(ref, spec, slot)
+            if await self._write(self._kube.create(PODS, ref.namespace, pod), pod):
+                self._event(raw, "Normal", "ExecutorCreated", f"created {pod['metadata']['name']}")
+
+    def _event(self, raw: RawObject, type: str, reason: str, message: str) -> None:
+        self._events(raw, type=type, reason=reason, message=message)
+
+    async def _write_status(self, pool: ObservedPool, status: PoolStatus) -> None:
+        try:
+            if PoolStatus.model_validate(pool.status) == status:
+                return  # unchanged: no write, no watch event, no loop
+        except ValidationError:
+            pass  # absent or from another version: rewrite it
+        await self._kube.merge_patch(
+            EXECUTOR_POOLS, pool.namespace, pool.name, status.to_patch(), subresource="status"
+        )
+
+    async def _report_problem(
+        self, pool: ObservedPool, phase: Phase, reason: str, message: str
+    ) -> None:
+        now = self._clock().replace(microsecond=0)
+        patch = problem_status_patch(pool, phase, reason, message, now=now)
+        if patch is not None:
+            await self._kube.merge_patch(
+                EXECUTOR_POOLS, pool.namespace, pool.name, patch, subresource="status"
+            )
