@@ -17,7 +17,7 @@ from kvgate.admission_service.messages import InferenceRequest, InferenceResult,
 from kvgate.admission_service.scheduler.events import StepReport
 from kvgate.gpu_executor.api import StepPlan, StepResult
 from kvgate.telemetry import attributes as attr
-from kvgate.telemetry.context import context_from_traceparent, traceparent_of
+from kvgate.telemetry.context import context_from_traceparent
 
 
 class ServiceTracer:
@@ -136,8 +136,11 @@ class ServiceTracer:
 
 
 def traceparent_of_span(span: Span) -> str | None:
+    """The W3C ``traceparent`` naming ``span`` (formatted directly: this runs per request)."""
     context = span.get_span_context()
-    return traceparent_of(context) if context.is_valid else None
+    if not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
 
 def _source_attributes(source: SourceRef) -> dict[str, AttributeValue]:

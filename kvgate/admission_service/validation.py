@@ -207,14 +207,18 @@ def validate_abort(record: RawRecord, max_bytes: int) -> AbortRequest | Rejectio
 
 
 def build_spec(accepted: Accepted, traceparent: str | None) -> RequestSpec:
-    """The scheduler's view of an accepted request."""
+    """The scheduler's view of an accepted request.
+
+    The step protocol's SamplingParams/LoopParams are built without validating again:
+    ``InferenceRequest`` enforced the same bounds on the same fields at the boundary.
+    """
     request = accepted.request
     sampling = request.sampling
     loops = request.loops
     return RequestSpec(
         request_id=request.request_id,
         prompt_token_ids=accepted.prompt_token_ids,
-        sampling=SamplingParams(
+        sampling=SamplingParams.model_construct(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -222,10 +226,11 @@ def build_spec(accepted: Accepted, traceparent: str | None) -> RequestSpec:
             max_tokens=request.max_tokens,
             ignore_eos=sampling.ignore_eos,
         ),
-        loops=LoopParams(
+        loops=LoopParams.model_construct(
             min_loops=loops.min_loops,
             max_loops=loops.max_loops,
             exit_threshold=loops.exit_threshold,
+            exit_trace=None,
         ),
         priority=request.priority,
         deadline_s=request.deadline_unix_s,

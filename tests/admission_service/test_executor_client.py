@@ -207,3 +207,13 @@ async def test_engine_survives_an_executor_restart_with_identical_outputs(
     finally:
         await engine.close()
         await server.close()
+
+
+def test_traceparent_of_span_matches_the_propagator() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from kvgate.admission_service.tracing import traceparent_of_span
+    from kvgate.telemetry.context import traceparent_of
+
+    span = TracerProvider().get_tracer("t").start_span("s")
+    assert traceparent_of_span(span) == traceparent_of(span.get_span_context())

@@ -175,3 +175,21 @@ def test_aborts_are_validated_too() -> None:
     assert not isinstance(good, Rejection) and good.request_id == "r1"
     bad = validate_abort(record(json.dumps({"id": "r1"}).encode(), 0), 4096)
     assert isinstance(bad, Rejection) and bad.code is RejectCode.SCHEMA
+
+
+def test_spec_parameters_equal_validated_protocol_models() -> None:
+    """build_spec skips re-validation; what it builds must equal what validation would."""
+    from kvgate.gpu_executor.api import LoopParams, SamplingParams
+
+    body = request_body("eq", prompt=[1, 2], max_tokens=7)
+    body["sampling"] = {"temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11}
+    body["loops"] = {"min_loops": 1, "max_loops": 2, "exit_threshold": 0.5}
+    verdict = validate_request(record(body, 0), LIMITS, None)
+    assert isinstance(verdict, Accepted)
+    spec = build_spec(verdict, None)
+    assert spec.sampling == SamplingParams.model_validate(spec.sampling.model_dump())
+    assert spec.loops == LoopParams.model_validate(spec.loops.model_dump())
+    assert spec.sampling.model_dump() == {
+        "temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11, "max_tokens": 7,
+        "ignore_eos": False,
+    }  # fmt: skip
