@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from kvgate.admission_service.embedded_broker import EmbeddedBroker, EmbeddedBrokerSettings
-from kvgate.admission_service.service import AdmissionService
+from kvgate.admission_service.service import AdmissionService, tune_garbage_collector
 from kvgate.admission_service.settings import ServiceSettings, load_settings
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,7 @@ class LocalStack:
             await asyncio.gather(self.service.start(), self.executor.wait_ready())
             assert self.service.engine is not None
             await self.service.engine.set_members(members)
+            tune_garbage_collector()
         except BaseException:
             await self.close()
             raise
