@@ -222,13 +222,16 @@ class Engine:
         for tracked in list(self._requests.values()):
             tracked.handed_off = True
             self._release(tracked)
-            self._tracer.handed_off(tracked.span)
+            self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
 
     # ------------------------------------------------------------------------- requests
     def submit(self, record: RawRecord, accepted: Accepted) -> None:
         """Queue a validated request (or answer it at once: duplicate, aborted earlier)."""
         request = accepted.request
-        source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
+        # Fields already typed by the consumer: no validation needed on this hot path.
+        source = SourceRef.model_construct(
+            topic=record.topic, partition=record.partition, offset=record.offset
+        )
         rid = request.request_id
         if rid in self._requests:
             reason = "a request with this id is already in flight"
@@ -288,7 +291,7 @@ class Engine:
                 handle.wake()
             else:
                 self._release(tracked)
-                self._tracer.handed_off(tracked.span)
+                self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
         return len(dropped)
 
     # ------------------------------------------------------------------------ placement
@@ -382,7 +385,7 @@ class Engine:
             elif isinstance(event, FinishedEvent):
                 if tracked.handed_off:
                     self._release(tracked)
-                    self._tracer.handed_off(tracked.span)
+                    self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
                     continue
                 result = finished_result(tracked, event, self._clock(), self._tokenizer)
                 self._deliver(tracked, result)
@@ -458,7 +461,7 @@ class Engine:
         self._release(tracked)
         self._sink.answer(result, tracked.traceparent)
         self.metrics.results.labels(status=result.status.value).inc()
-        self._tracer.finish_request(tracked.span, result)
+        self._tracer.finish_request(tracked.span, tracked.request, result)
 
     def _answer(
         self,
@@ -478,7 +481,7 @@ class Engine:
         self.metrics.rejections.labels(code=code.value).inc()
         self.metrics.results.labels(status=result.status.value).inc()
         self._sink.reject(record, Rejection(code, reason, tracked.request_id), result)
-        self._tracer.finish_request(tracked.span, result)
+        self._tracer.finish_request(tracked.span, tracked.request, result)
 
     def _reject_record(
         self, record: RawRecord, rejection: Rejection, traceparent: str | None

@@ -181,11 +181,11 @@ class Intake:
         engine = self.engine
         outbox = self.outbox
         limits = self.settings.limits
-        received = self.metrics.received
+        self.metrics.received.inc(len(messages))
+        if messages:
+            self._positions[partition] = messages[-1].offset + 1
         for message in messages:
             record = raw_record(message)
-            received.inc()
-            self._positions[partition] = record.offset + 1
             if outbox.read(partition, record.offset):
                 continue  # answered before (by a previous owner), or not ours (fenced)
             verdict = validate_request(record, limits, self._tokenizer)

@@ -11,9 +11,13 @@ Each accepted session gets a fresh :class:`Scheduler` sized from the executor's
 most one plan in flight beyond the one being applied when ``async_scheduling`` is on: it plans
 step N+1, sends it, and only then applies step N's result.
 
-Lifting requests out (drain, removal, loss) happens only at a quiescent point — no plan in
-flight — except on loss, where the executor's state is gone anyway. The handle reports every
-event to its :class:`PoolObserver` (the engine); it never decides where requests go.
+Lifting requests out of a draining executor happens at a quiescent point — no plan in flight —
+with ``evacuate(executor_alive=True)``, so the next plan frees their state there. An executor
+that leaves (removed from the membership, or the service stops) or is lost does not wait for
+its plans in flight: its session closes and ``evacuate(executor_alive=False)`` lifts everything;
+the executor resets when a session opens again. Either way the requests resume elsewhere by
+recompute. The handle reports every event to its :class:`PoolObserver` (the engine); it never
+decides where requests go.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ class SimBackend:
         self.executor = config.build()
         self.max_epoch: int | None = None
         self.steps = 0
+        self.plan_traceparents: list[str | None] = []  # per executed plan, for tracing tests
         self._current: LocalSession | None = None
         self._held = False
         self._hold_at_step: int | None = None
@@ -90,6 +91,7 @@ class SimBackend:
 
     def execute(self, plan: api.StepPlan) -> api.StepResult:
         self.steps += 1
+        self.plan_traceparents.append(plan.traceparent)
         if self.steps == self._hold_at_step:
             self.hold()
         return self.executor.execute(plan)

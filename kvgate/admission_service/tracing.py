@@ -30,37 +30,38 @@ class ServiceTracer:
     def start_request(
         self, request: InferenceRequest, source: SourceRef, traceparent: str | None
     ) -> Span:
-        sampling = request.sampling
-        attributes: dict[str, AttributeValue] = {
-            attr.GEN_AI_OPERATION_NAME: attr.GEN_AI_OPERATION_TEXT_COMPLETION,
-            attr.GEN_AI_PROVIDER_NAME: attr.GEN_AI_PROVIDER,
-            attr.GEN_AI_REQUEST_MODEL: self._model,
-            attr.GEN_AI_REQUEST_MAX_TOKENS: request.max_tokens,
-            attr.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
-            attr.GEN_AI_REQUEST_TOP_P: sampling.top_p,
-            attr.GEN_AI_REQUEST_SEED: sampling.seed,
-            attr.GEN_AI_RESPONSE_ID: request.request_id,
-            attr.REQUEST_PRIORITY: request.priority,
-            **_source_attributes(source),
-        }
-        if sampling.top_k is not None:
-            attributes[attr.GEN_AI_REQUEST_TOP_K] = sampling.top_k
+        """The request's span, started when it is read. Only what identifies it is set here;
+        its parameters are added when it ends (``finish_request``), off the intake path."""
         return self._tracer.start_span(
             self._span_name,
             context=context_from_traceparent(traceparent),
             kind=SpanKind.CONSUMER,
-            attributes=attributes,
+            attributes={
+                attr.GEN_AI_OPERATION_NAME: attr.GEN_AI_OPERATION_TEXT_COMPLETION,
+                attr.GEN_AI_PROVIDER_NAME: attr.GEN_AI_PROVIDER,
+                attr.GEN_AI_REQUEST_MODEL: self._model,
+                attr.GEN_AI_RESPONSE_ID: request.request_id,
+            },
         )
 
-    def finish_request(self, span: Span, result: InferenceResult) -> None:
+    def finish_request(
+        self, span: Span, request: InferenceRequest, result: InferenceResult
+    ) -> None:
         if span.is_recording():
-            span.set_attributes(result_attributes(result, self._model))
+            span.set_attributes(
+                request_attributes(request) | result_attributes(result, self._model)
+            )
             if result.status.value in ("rejected", "failed"):
                 span.set_status(Status(StatusCode.ERROR, result.reason))
         span.end()
 
-    def handed_off(self, span: Span) -> None:
-        span.set_attribute(attr.REQUEST_STATUS, "handed_off")
+    def handed_off(self, span: Span, request: InferenceRequest, source: SourceRef) -> None:
+        if span.is_recording():
+            span.set_attributes(
+                request_attributes(request)
+                | _source_attributes(source)
+                | {attr.REQUEST_STATUS: "handed_off"}
+            )
         span.end()
 
     def rejected_record(
@@ -152,9 +153,24 @@ def _source_attributes(source: SourceRef) -> dict[str, AttributeValue]:
     }
 
 
+def request_attributes(request: InferenceRequest) -> dict[str, AttributeValue]:
+    sampling = request.sampling
+    attributes: dict[str, AttributeValue] = {
+        attr.GEN_AI_REQUEST_MAX_TOKENS: request.max_tokens,
+        attr.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
+        attr.GEN_AI_REQUEST_TOP_P: sampling.top_p,
+        attr.GEN_AI_REQUEST_SEED: sampling.seed,
+        attr.REQUEST_PRIORITY: request.priority,
+    }
+    if sampling.top_k is not None:
+        attributes[attr.GEN_AI_REQUEST_TOP_K] = sampling.top_k
+    return attributes
+
+
 def result_attributes(result: InferenceResult, model: str) -> dict[str, AttributeValue]:
     scheduling = result.scheduling
     attributes: dict[str, AttributeValue] = {
+        **_source_attributes(result.source),
         attr.REQUEST_STATUS: result.status.value,
         attr.GEN_AI_RESPONSE_MODEL: model,
         attr.GEN_AI_USAGE_INPUT_TOKENS: result.usage.prompt_tokens,
