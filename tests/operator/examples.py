@@ -16,7 +16,7 @@ FULL_SPEC: dict[str, Any] = {
         "volume": {"persistentVolumeClaim": {"claimName": "models"}, "subPath": "ouro-1.4b"},
         "loops": 4,
         "dtype": "float16",
-        "exitPolicy": "entropy:0.3",
+        "exitPolicy": "gate",
     },
     "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": 68719476736}},
     "nodeSelector": {"nvidia.com/gpu.product": "H100"},
@@ -45,6 +45,7 @@ FULL_SPEC: dict[str, Any] = {
         "bootstrapServers": "kafka-0:9093,kafka-1:9093",
         "topics": {"tokens": "kvgate.tokens"},
         "groupId": "kvgate-prod",
+        "createTopics": True,
         "security": {
             "protocol": "SASL_SSL",
             "sasl": {

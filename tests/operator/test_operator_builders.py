@@ -156,8 +156,8 @@ def test_executor_command_line() -> None:
     fraction = executor_args(spec(kvCache={"memoryFraction": 0.85, "hostSnapshotBlocks": 64}))
     assert arg(fraction, "--memory-fraction") == "0.85"
     assert arg(fraction, "--host-snapshot-blocks") == "64"
-    looped = {"family": "looped", "path": "/m", "exitPolicy": "entropy:0.3"}
-    assert arg(executor_args(spec(model=looped)), "--exit-policy") == "entropy:0.3"
+    looped = {"family": "looped", "path": "/m", "exitPolicy": "gate"}
+    assert arg(executor_args(spec(model=looped)), "--exit-policy") == "gate"
 
 
 def test_model_volume_is_mounted_read_only() -> None:
@@ -230,6 +230,7 @@ def test_admission_config_file_contents() -> None:
         "dlq_topic": "kvgate.requests.dlq",
         "group_id": "kvgate-prod",
         "security_protocol": "SASL_SSL",
+        "create_topics": True,
         "sasl_mechanism": "SCRAM-SHA-512",
         "sasl_username": "kvgate",
         "sasl_password_file": "/var/run/kvgate/kafka-sasl/password",
@@ -258,6 +259,8 @@ def test_admission_config_defaults_and_no_secrets_inline() -> None:
     config = build_admission_config(POOL, spec())
     assert config["kafka"]["group_id"] == "kvgate-serving-pool"
     assert config["kafka"]["security_protocol"] == "PLAINTEXT"
+    # Written even when off: the admission service's own default is to create topics.
+    assert config["kafka"]["create_topics"] is False
     assert "token_topic" not in config["kafka"] and "sasl_username" not in config["kafka"]
     assert config["scheduler"] == {}
     text = build_admission_configmap(POOL, parse_spec(POOL.name, FULL_SPEC))["data"][

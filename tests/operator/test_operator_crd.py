@@ -32,7 +32,8 @@ from kvgate.admission_service.scheduler.config import (
     PreemptionMode,
     SchedulerConfig,
 )
-from kvgate.operator.models import DType, ExecutorPoolSpec, ModelFamily, parse_spec
+from kvgate.gpu_executor.exit_policy import ExitPolicy as ExecutorExitPolicy
+from kvgate.operator.models import DType, ExecutorPoolSpec, ExitPolicy, ModelFamily, parse_spec
 from kvgate.operator.naming import GROUP, KIND, PLURAL, VERSION
 from kvgate.operator.status import ConditionType, Phase
 from tests.operator.cluster import pool_manifest
@@ -140,6 +141,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("bootstrap", {"kafka": {"bootstrapServers": "a:1, b:2"}}, "does not match"),
     ("protocol", {"kafka": {"bootstrapServers": "k:1", "security": {"protocol": "TLS"}}}, "'TLS'"),
     ("topic", {"kafka": {"bootstrapServers": "k:1", "topics": {"requests": "a b"}}}, "match"),
+    ("create topics", {"kafka": {"bootstrapServers": "k:1", "createTopics": "yes"}}, "'yes'"),
     ("token secret", {"tokenSecret": {"key": "token"}}, "'name' is a required property"),
     ("admission replicas", {"admission": {"replicas": 2}}, "greater than the maximum of 1"),
     ("drain timeout", {"drainTimeoutSeconds": 0}, "less than the minimum of 1"),
@@ -213,6 +215,9 @@ def test_enums_mirror_the_python_settings(crd: dict[str, Any]) -> None:
     assert scheduler["admissionPricing"]["enum"] == [p.value for p in AdmissionPricing]
     assert spec["model"]["properties"]["family"]["enum"] == [f.value for f in ModelFamily]
     assert spec["model"]["properties"]["dtype"]["enum"] == [d.value for d in DType]
+    exit_policies = [e.value for e in ExitPolicy]
+    assert spec["model"]["properties"]["exitPolicy"]["enum"] == exit_policies
+    assert exit_policies == [e.value for e in ExecutorExitPolicy]  # what the executor accepts
 
 
 def test_cache_ranges_mirror_cache_config(crd: dict[str, Any]) -> None:

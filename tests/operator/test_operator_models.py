@@ -62,7 +62,7 @@ def test_defaults() -> None:
     ("changes", "expected"),
     [
         ({"model": {"family": "llama", "path": "/m", "loops": 2}}, "spec.model: family llama runs"),
-        ({"model": {"family": "llama", "path": "/m", "exitPolicy": "x"}}, "looped models only"),
+        ({"model": {"family": "llama", "path": "/m", "exitPolicy": "gate"}}, "looped models only"),
         ({"model": {"family": "looped"}}, "spec.model: set exactly one of path"),
         (
             {

@@ -61,6 +61,8 @@ def _kafka_config(pool: PoolRef, kafka: KafkaSpec) -> dict[str, Any]:
         # Kafka group ids are cluster-wide: the namespace keeps equally named pools apart.
         "group_id": kafka.group_id or f"kvgate-{pool.namespace}-{pool.name}",
         "security_protocol": kafka.security.protocol.value,
+        # Always written: the service's own default differs, and the pool's choice must hold.
+        "create_topics": kafka.create_topics,
     }
     if topics.tokens is not None:
         config["token_topic"] = topics.tokens

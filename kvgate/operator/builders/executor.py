@@ -62,7 +62,7 @@ def executor_args(spec: ExecutorPoolSpec) -> list[str]:
     args += ["--host-snapshot-blocks", str(spec.kv_cache.host_snapshot_blocks)]
     args += ["--token-file", EXECUTOR_TOKEN_FILE]
     if spec.model.exit_policy is not None:
-        args += ["--exit-policy", spec.model.exit_policy]
+        args += ["--exit-policy", spec.model.exit_policy.value]
     return args
 
 

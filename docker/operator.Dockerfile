@@ -1,0 +1,37 @@
+# kvgate operator: `kvgate operator` (kopf), run by the Helm chart with its watch and peering flags.
+# kvgate without torch (no extras). Build from the repository root:
+#   docker build -f docker/operator.Dockerfile -t kvgate-operator:0.1.0 .
+# BASE_IMAGE: any image with Python >= 3.11, or a Debian/Ubuntu one to which python.sh adds it
+# (e.g. a root file system brought in with `docker import`).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+FROM ${BASE_IMAGE} AS build
+ARG UV_VERSION=0.13.8
+COPY docker/python.sh /usr/local/bin/kvgate-python.sh
+RUN sh /usr/local/bin/kvgate-python.sh build
+# uv resolves and installs; it lives in its own environment and stays in this stage.
+RUN python3 -m venv /opt/uv \
+ && /opt/uv/bin/python -m pip install --no-cache-dir --disable-pip-version-check "uv==${UV_VERSION}" \
+ && python3 -m venv --without-pip /opt/kvgate
+ENV UV_NO_CACHE=1 UV_PYTHON=/opt/kvgate/bin/python UV_COMPILE_BYTECODE=1
+# Dependencies first (a layer that changes only with pyproject.toml), then kvgate itself.
+COPY pyproject.toml /src/pyproject.toml
+RUN /opt/uv/bin/uv pip install -r /src/pyproject.toml
+COPY README.md /src/README.md
+COPY kvgate /src/kvgate
+RUN /opt/uv/bin/uv pip install --no-deps /src
+
+FROM ${BASE_IMAGE}
+COPY docker/python.sh /usr/local/bin/kvgate-python.sh
+RUN sh /usr/local/bin/kvgate-python.sh runtime && rm /usr/local/bin/kvgate-python.sh
+COPY --from=build /opt/kvgate /opt/kvgate
+ENV PATH=/opt/kvgate/bin:$PATH \
+    HOME=/tmp \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+LABEL org.opencontainers.image.title="kvgate-operator" \
+      org.opencontainers.image.description="kvgate operator: ExecutorPools to executor pods and admission services"
+USER 10001:10001
+EXPOSE 8081
+ENTRYPOINT ["kvgate"]
+CMD ["operator", "--help"]

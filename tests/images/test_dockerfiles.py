@@ -1,0 +1,120 @@
+"""The Dockerfiles as text: the base image is a build argument, the user is the numeric one the
+operator's pods and the chart run as, torch only where it belongs, and the build context holds
+what they copy. (Building and running them is test_images.py.)"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvgate.operator.builders.common import RUN_AS_USER
+
+ROOT = Path(__file__).parents[2]
+DOCKER = ROOT / "docker"
+DOCKERFILES = {
+    "operator": "python:3.11-slim-bookworm",
+    "admission": "python:3.11-slim-bookworm",
+    "executor": "nvidia/cuda:",
+}
+
+
+def _instructions(name: str) -> list[tuple[str, str]]:
+    text = (DOCKER / f"{name}.Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "")
+        for line in lines
+        if line and not line.startswith("#")
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_the_base_image_is_a_build_argument(name: str) -> None:
+    instructions = _instructions(name)
+    keyword, argument = instructions[0]
+    assert keyword == "ARG" and argument.startswith("BASE_IMAGE=")
+    assert argument.removeprefix("BASE_IMAGE=").startswith(DOCKERFILES[name])
+    froms = [argument for keyword, argument in instructions if keyword == "FROM"]
+    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_the_image_runs_as_the_pods_user(name: str) -> None:
+    users = [argument for keyword, argument in _instructions(name) if keyword == "USER"]
+    assert users == [f"{RUN_AS_USER}:{RUN_AS_USER}"]  # numeric, so runAsNonRoot can check it
+    assert f"uid={RUN_AS_USER}" in (DOCKER / "python.sh").read_text()
+    chart_values = yaml.safe_load((ROOT / "charts" / "kvgate" / "values.yaml").read_text())
+    assert chart_values["operator"]["runAsUser"] == RUN_AS_USER
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_torch_only_in_the_executor(name: str) -> None:
+    installs = [a for k, a in _instructions(name) if k == "RUN" and "uv pip install" in a]
+    assert len(installs) == 2  # dependencies, then kvgate itself without them
+    assert installs[1].endswith("--no-deps /src")
+    extras = re.findall(r"--extra (\w+)", installs[0])
+    assert extras == (["executor"] if name == "executor" else [])
+    python_stage = [a for k, a in _instructions(name) if k == "RUN" and "runtime" in a]
+    compiler = "runtime-compiler" in python_stage[0]
+    assert compiler == (name == "executor")  # Triton builds its driver glue at run time
+
+
+def test_the_executor_extra_is_what_brings_torch() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(dep.startswith(("torch", "triton")) for dep in project["dependencies"])
+    assert any(dep.startswith("torch") for dep in project["optional-dependencies"]["executor"])
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_uv_matches_the_makefile(name: str) -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    [wanted] = re.findall(r"uv==([0-9.]+)", makefile)
+    args = [a for k, a in _instructions(name) if k == "ARG" and a.startswith("UV_VERSION=")]
+    assert args == [f"UV_VERSION={wanted}"]
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last matching pattern wins; '!' re-includes."""
+    ignored = False
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for line in patterns:
+        negate = line.startswith("!")
+        pattern = line.removeprefix("!").rstrip("/")
+        if any(fnmatch.fnmatch(prefix, pattern) for prefix in prefixes):
+            ignored = not negate
+    return ignored
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_the_build_context_holds_what_the_dockerfile_copies(name: str) -> None:
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    copies = [a.split()[0] for k, a in _instructions(name) if k == "COPY" and "--from" not in a]
+    assert copies
+    for source in copies:
+        assert (ROOT / source).exists(), source
+        assert not _dockerignored(source, patterns), source
+        if (ROOT / source).is_dir():
+            assert not _dockerignored(f"{source}/cli.py", patterns)
+    assert _dockerignored(".git", patterns) and _dockerignored("tests/chart/helm.py", patterns)
+
+
+def test_the_charts_default_tags_are_what_make_images_builds() -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((ROOT / "charts" / "kvgate" / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version  # images.*.tag "" means appVersion
+    values = yaml.safe_load((ROOT / "charts" / "kvgate" / "values.yaml").read_text())
+    for name in DOCKERFILES:
+        assert values["images"][name] == {"repository": f"kvgate-{name}", "tag": "", "digest": ""}
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-t $(IMAGE_REGISTRY)kvgate-$$image:$(IMAGE_TAG)" in makefile
+    assert "IMAGE_TAG ?= $(shell sed -n 's/^version" in makefile
