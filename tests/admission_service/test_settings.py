@@ -2,9 +2,9 @@
 operator writes into the pool's ConfigMap.
 
 The ConfigMap fixtures in ``fixtures/operator_*.yaml`` were written by the operator's own
-``build_admission_configmap`` (branch ``operator``; the commit is in each file's header). Once
-the operator is importable here (merged into main), the same check also runs against its
-builder directly.
+``build_admission_configmap`` (the commit is in each file's header): they pin the format as this
+service last saw it. The last test parses the builder's live output as well, so a change on
+either side fails here.
 """
 
 from __future__ import annotations
@@ -166,13 +166,14 @@ def test_the_operators_full_configmap_parses() -> None:
 def test_the_operators_minimal_configmap_parses_with_service_defaults() -> None:
     settings = load_settings(FIXTURES / "operator_minimal.yaml")
     assert settings.kafka.group_id == "kvgate-serving-pool-a"
+    assert settings.kafka.create_topics is True
     assert settings.scheduler.async_scheduling is True
     assert settings.executors.members == []  # the operator pushes membership via the admin API
 
 
 @pytest.mark.skipif(
     importlib.util.find_spec("kvgate.operator.builders") is None,
-    reason="the operator is not merged into this tree yet; the fixtures above stand in for it",
+    reason="the operator is not in this tree; the fixtures above stand in for it",
 )
 def test_the_operators_builder_output_parses_directly(tmp_path: Path) -> None:
     from kvgate.operator.builders.admission import render_admission_config  # type: ignore
