@@ -15,15 +15,18 @@ import signal
 import sys
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from kvgate.admission_service.kafka_io import KafkaSetupError
 from kvgate.admission_service.settings import (
     ServiceSettings,
     SettingsError,
     TelemetrySettings,
     load_settings,
 )
+from kvgate.admission_service.tokenizer import TokenizerError
 
 log = logging.getLogger("kvgate.admission_service")
 
@@ -59,9 +62,12 @@ def run(args: argparse.Namespace) -> int:
     provider = configure_telemetry(settings.telemetry)
     try:
         return asyncio.run(_main(settings))
-    except SettingsError as exc:
-        print(f"kvgate admission-service: invalid settings:\n{exc}", file=sys.stderr)
+    except (SettingsError, TokenizerError, KafkaSetupError) as exc:
+        print(f"kvgate admission-service: {exc}", file=sys.stderr)
         return 2
+    except KafkaError as exc:
+        print(f"kvgate admission-service: Kafka is not reachable: {exc}", file=sys.stderr)
+        return 1
     finally:
         if provider is not None:
             provider.shutdown()

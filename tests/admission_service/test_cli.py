@@ -79,3 +79,17 @@ def test_produce_reports_a_missing_file(tmp_path: Path) -> None:
     done = kvgate("produce", str(tmp_path / "absent.jsonl"), "--bootstrap", "127.0.0.1:1")
     assert done.returncode == 2
     assert "No such file" in done.stderr
+
+
+def test_admission_service_refuses_missing_topics_when_it_may_not_create_them(
+    tmp_path: Path,
+) -> None:
+    with EmbeddedBroker() as broker:
+        config = tmp_path / "admission.yaml"
+        config.write_text(
+            f"kafka: {{bootstrap_servers: '{broker.bootstrap}', create_topics: false,"
+            " exactly_once: 'off'}\nexecutors: {token: t}\nadmin: {port: 0}\n"
+        )
+        done = kvgate("admission-service", "--config", str(config))
+    assert done.returncode == 2
+    assert "do not exist and kafka.create_topics is false" in done.stderr

@@ -166,7 +166,7 @@ def test_the_operators_full_configmap_parses() -> None:
 def test_the_operators_minimal_configmap_parses_with_service_defaults() -> None:
     settings = load_settings(FIXTURES / "operator_minimal.yaml")
     assert settings.kafka.group_id == "kvgate-serving-pool-a"
-    assert settings.kafka.create_topics is True
+    assert settings.kafka.create_topics is False  # the pool's topics must exist already
     assert settings.scheduler.async_scheduling is True
     assert settings.executors.members == []  # the operator pushes membership via the admin API
 
