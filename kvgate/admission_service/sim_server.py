@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -19,7 +20,7 @@ import signal
 import time
 from pathlib import Path
 
-from aiohttp import WSMsgType, web
+from aiohttp import ClientError, WSMsgType, web
 from pydantic import TypeAdapter, ValidationError
 
 from kvgate.admission_service.sim.workload import ExitMode
@@ -40,6 +41,7 @@ class SimExecutorServer:
         self._step_time_s = step_time_s
         self._current: web.WebSocketResponse | None = None
         self._lock = asyncio.Lock()
+        self._fencing: set[asyncio.Task[None]] = set()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -63,8 +65,11 @@ class SimExecutorServer:
         )
 
     async def _error(self, ws: web.WebSocketResponse, code: api.ErrorCode, text: str) -> None:
-        await ws.send_str(api.ProtocolError(code=code, message=text).model_dump_json())
-        await ws.close()
+        """Tell the peer why, then close; a peer that is already gone is not waited for."""
+        with contextlib.suppress(ConnectionError, ClientError):
+            await ws.send_str(api.ProtocolError(code=code, message=text).model_dump_json())
+        with contextlib.suppress(ConnectionError, ClientError):
+            await ws.close()
 
     async def _steps(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
@@ -88,8 +93,14 @@ class SimExecutorServer:
                 return ws
             previous, self._current = self._current, ws
             if previous is not None and not previous.closed:
+                # Fenced in the background: the old peer may be dead, and its close handshake
+                # must not delay the new session.
                 text = f"session epoch {opening.epoch} replaced this one"
-                await self._error(previous, api.ErrorCode.STALE_EPOCH, text)
+                fencing = asyncio.create_task(
+                    self._error(previous, api.ErrorCode.STALE_EPOCH, text)
+                )
+                self._fencing.add(fencing)
+                fencing.add_done_callback(self._fencing.discard)
             accepted = api.SessionAccepted(epoch=opening.epoch, info=self.backend.info)
             await ws.send_str(accepted.model_dump_json())
         async for msg in ws:
@@ -111,7 +122,10 @@ class SimExecutorServer:
                 await asyncio.sleep(remaining)  # emulated compute time of a loaded executor
             if self._current is not ws:
                 break
-            await ws.send_str(result.model_dump_json())
+            try:
+                await ws.send_str(result.model_dump_json())
+            except (ConnectionError, ClientError):
+                break  # the admission service went away
         return ws
 
 

@@ -217,3 +217,22 @@ def test_traceparent_of_span_matches_the_propagator() -> None:
 
     span = TracerProvider().get_tracer("t").start_span("s")
     assert traceparent_of_span(span) == traceparent_of(span.get_span_context())
+
+
+async def test_a_new_session_opens_after_the_old_client_vanished(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Regression: fencing an old session whose peer died (no close handshake) must not break
+    or delay the new session."""
+    server, backend = await start_server()
+    try:
+        async with aiohttp.ClientSession() as doomed:
+            ws = await doomed.ws_connect(url(server), headers={"Authorization": f"Bearer {TOKEN}"})
+            await ws.send_str(api.SessionOpen(epoch=1, session_id="old").model_dump_json())
+            await ws.receive(timeout=5)
+        # The old client is gone without a WebSocket close. A new one opens at once.
+        session = await asyncio.wait_for(connector(http)(url(server), epoch=2), 5)
+        assert backend.max_epoch == 2
+        await session.close()
+    finally:
+        await server.close()

@@ -51,9 +51,11 @@ async def test_crash_between_results_and_commit_leaves_no_duplicate(
 ) -> None:
     bootstrap = kafka_broker.bootstrap
     topics = Topics.unique("crash")
-    executor = start_sim_executor(tmp_path, "exec-0", step_time_ms=2)
+    # Paced steps (10 ms) spread the answers over many 50 ms commit cycles, so the third cycle
+    # that carries answers comes while most requests still run.
+    executor = start_sim_executor(tmp_path, "exec-0", step_time_ms=10)
     settings = service_settings(bootstrap, topics, [executor], kafka={"partitions": 2})
-    bodies = [request_body(f"c{i:02d}", max_tokens=4 + i % 5) for i in range(30)]
+    bodies = [request_body(f"c{i:02d}", max_tokens=8 + i % 9) for i in range(30)]
     crashing: Service | None = None
     successor: Service | None = None
     try:
