@@ -105,6 +105,7 @@ class Outbox:
         self._shared: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
         self._soon = asyncio.Event()
+        self._stopping = False
         self._num_pending = 0
 
     # ----------------------------------------------------------------------- lifecycle
@@ -236,13 +237,18 @@ class Outbox:
 
     # ------------------------------------------------------------------- commit cycles
     async def run(self) -> None:
-        """Commit cycles until cancelled."""
+        """Commit cycles until ``stop_soon``; the cycle under way always completes."""
         interval_s = self.settings.commit_interval_ms / 1000
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._soon.wait(), interval_s)
             self._soon.clear()
             await self.flush()
+
+    def stop_soon(self) -> None:
+        """End ``run`` after the current cycle (shutdown then runs the last ones itself)."""
+        self._stopping = True
+        self._soon.set()
 
     async def flush(self) -> None:
         async with self._lock:
@@ -284,8 +290,10 @@ class Outbox:
         pending = self._pending.pop(partition, _Pending())
         if not pending and ledger.commit_point() is None:
             return
+        began = False
         try:
             await producer.begin_transaction()
+            began = True
             sent = await self._send(producer, pending.records)
             finals = self._finals(pending, sent)
             point = ledger.commit_point(finals)
@@ -311,6 +319,14 @@ class Outbox:
                 await producer.abort_transaction()
             self._restore(partition, pending)
             return
+        except BaseException:
+            # Cancelled (or a bug) mid-transaction: leave no transaction open behind us, and
+            # keep what it carried for the next cycle.
+            if began:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(producer.abort_transaction())
+            self._restore(partition, pending)
+            raise
         self._num_pending -= len(pending.records)
         ledger.finalize(finals)
         if point is not None:

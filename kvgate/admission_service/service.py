@@ -97,6 +97,7 @@ class AdmissionService:
         self._aborts: AbortReader | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._outbox_task: asyncio.Task[None] | None = None
         self.ready = False
         self.exactly_once = False
         self.admin_port: int | None = None
@@ -149,7 +150,7 @@ class AdmissionService:
         self._aborts = AbortReader(self.settings, engine)
         await self._aborts.start()
         self._spawn(self.intake.run(), "intake")
-        self._spawn(self.outbox.run(), "outbox")
+        self._outbox_task = self._spawn(self.outbox.run(), "outbox")
         self._spawn(self._aborts.run(), "aborts")
         await engine.set_members(self.settings.executors.members)
         self.ready = True
@@ -186,10 +187,11 @@ class AdmissionService:
         self.admin_port = int(sockets[0].getsockname()[1]) if sockets else admin.port
         log.info("admin API on http://%s:%d", admin.host, self.admin_port)
 
-    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(work, name=f"kvgate-{name}")
         task.add_done_callback(self._task_done)
         self._tasks.append(task)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -236,6 +238,10 @@ class AdmissionService:
                     grace,
                 )
             await self.engine.close()
+        if self.outbox is not None and self._outbox_task is not None:
+            self.outbox.stop_soon()  # never cancelled mid-transaction
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._outbox_task), 60.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
