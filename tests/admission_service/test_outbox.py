@@ -42,6 +42,7 @@ class ScriptedProducer:
     next_offset: int = 100
     fail_commit: bool = False
     commit_gate: asyncio.Event | None = None
+    committing: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> None:
         self.log.append(("start", None))
@@ -63,6 +64,7 @@ class ScriptedProducer:
         self.log.append(("offsets", {tp.partition: v for tp, v in offsets.items()}))
 
     async def commit_transaction(self) -> None:
+        self.committing.set()
         if self.commit_gate is not None:
             await self.commit_gate.wait()
         if self.fail_commit:
@@ -142,8 +144,7 @@ async def test_a_cancelled_cycle_leaves_no_open_transaction_and_loses_nothing() 
     box.read(0, 0)
     box.answer(result("a", 0), None)
     cycle = asyncio.create_task(box.flush())
-    while ("offsets", {0: (1, "kvgate/1 results_from=101")}) not in producer.log:
-        await asyncio.sleep(0)
+    await producer.committing.wait()  # the transaction holds answers and offsets, uncommitted
     cycle.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cycle
