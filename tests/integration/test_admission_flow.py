@@ -187,7 +187,7 @@ async def test_executor_loss_resumes_elsewhere_with_identical_outputs(
     topics = Topics.unique("loss")
     executors = [start_sim_executor(tmp_path, f"exec-{n}", step_time_ms=10, **SMALL) for n in "ab"]
     services: list[Service] = []
-    bodies = workload(16, "l", max_tokens=24)
+    bodies = workload(16, "l", max_tokens=36)
     expected = await reference_outputs(bodies, block_size=4)
     try:
         services.append(
