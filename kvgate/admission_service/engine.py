@@ -27,8 +27,9 @@ from typing import Protocol
 
 from opentelemetry.trace import Span
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState, ExecutorStatus
+from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorStatus
 from kvgate.admission_service.executor_client import Connector, EpochClock
+from kvgate.admission_service.membership import Membership
 from kvgate.admission_service.messages import (
     FinishReason,
     InferenceResult,
@@ -111,14 +112,18 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self._connector = connector
         self._sink = sink
         self._tracer = tracer
         self.metrics = metrics
         self._tokenizer = tokenizer
-        self._epochs = epochs or EpochClock()
         self._clock = clock
-        self.handles: dict[str, ExecutorHandle] = {}
+        self.members = Membership(
+            connector=connector,
+            epochs=epochs or EpochClock(),
+            scheduler=settings.scheduler,
+            session=settings.session,
+            observer=self,
+        )
         self._requests: dict[str, Tracked] = {}
         self._unplaced: list[tuple[int, str]] = []  # heap of (arrival_seq, request id)
         self._num_unplaced = 0
@@ -127,7 +132,6 @@ class Engine:
         self._step_spans: dict[tuple[str, int], Span] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._membership_lock = asyncio.Lock()
         self.timeline: deque[StepSample] = deque(maxlen=settings.timeline_steps or None)
         self._started_at = clock()
 
@@ -139,86 +143,37 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         """Requests read and not running: unplaced, or queued in an executor's scheduler."""
-        queued = sum(h.scheduler.num_waiting for h in self.handles.values() if h.scheduler)
-        return self._num_unplaced + queued
+        return self._num_unplaced + self.members.num_waiting
 
     @property
     def num_running(self) -> int:
-        return sum(h.scheduler.num_running for h in self.handles.values() if h.scheduler)
+        return self.members.num_running
 
-    def tracked_partitions(self) -> set[tuple[str, int]]:
-        return {(t.source.topic, t.source.partition) for t in self._requests.values()}
+    @property
+    def num_unplaced(self) -> int:
+        return self._num_unplaced
 
     def executor_gauges(self) -> list[ExecutorGauge]:
-        return [
-            ExecutorGauge(
-                s.name, s.state.value, s.waiting_requests, s.running_requests,
-                s.kv_blocks_used, s.kv_blocks_total,
-            )
-            for s in (h.status() for h in self.handles.values())
-        ]  # fmt: skip
+        return self.members.gauges()
 
     async def wait_idle(self) -> None:
         """Returns once no request read by this service is unanswered."""
         await self._idle.wait()
 
     # ----------------------------------------------------------------------- membership
+    @property
+    def handles(self) -> dict[str, ExecutorHandle]:
+        return self.members.handles
+
     async def set_members(self, specs: list[ExecutorSpec]) -> None:
-        """Make the executor set exactly ``specs``: new ones connect, missing ones leave (their
-        requests move to the others), and ``draining`` flags are applied."""
-        async with self._membership_lock:
-            wanted = {spec.name: spec for spec in specs}
-            leaving = [
-                handle
-                for name, handle in self.handles.items()
-                if name not in wanted or wanted[name].endpoint != handle.spec.endpoint
-            ]
-            for handle in leaving:
-                del self.handles[handle.name]
-            for handle in leaving:
-                log.info("executor %s leaves the membership", handle.name)
-                await handle.stop()
-            for name, spec in wanted.items():
-                current = self.handles.get(name)
-                if current is None:
-                    handle = ExecutorHandle(
-                        spec,
-                        connector=self._connector,
-                        epochs=self._epochs,
-                        scheduler_config=self.settings.scheduler,
-                        settings=self.settings.session,
-                        observer=self,
-                    )
-                    self.handles[name] = handle
-                    handle.start()
-                elif current.draining != spec.draining:
-                    current.set_draining(spec.draining)
-            self._evacuate_drains()
+        await self.members.set(specs)
 
     def drain(self, name: str) -> ExecutorStatus | None:
-        handle = self.handles.get(name)
-        if handle is None:
-            return None
-        handle.set_draining(True)
-        self._evacuate_drains()
-        return handle.status()
-
-    def _evacuate_drains(self) -> None:
-        """Draining executors hand their requests to the ready ones — when there are any;
-        with nowhere to go, their requests finish where they are."""
-        if not any(h.accepts_work for h in self.handles.values()):
-            return
-        for handle in self.handles.values():
-            if handle.state is ExecutorState.DRAINING:
-                handle.request_evacuation()
+        return self.members.drain(name)
 
     async def close(self) -> None:
         """Leave every executor; requests not finished are handed off (left unanswered)."""
-        async with self._membership_lock:
-            handles = list(self.handles.values())
-            self.handles.clear()
-            for handle in handles:
-                await handle.stop()
+        await self.members.close()
         for tracked in list(self._requests.values()):
             tracked.handed_off = True
             self._release(tracked)
@@ -295,12 +250,8 @@ class Engine:
         return len(dropped)
 
     # ------------------------------------------------------------------------ placement
-    def _candidates(self) -> list[ExecutorHandle]:
-        ready = [h for h in self.handles.values() if h.accepts_work]
-        return sorted(ready, key=lambda h: (-h.headroom_blocks, h.name))
-
     def _place(self, tracked: Tracked) -> None:
-        candidates = self._candidates()
+        candidates = self.members.ready()
         if not candidates:
             tracked.executor = None
             tracked.unplaced = True
@@ -346,7 +297,7 @@ class Engine:
         return None
 
     def _place_unplaced(self) -> None:
-        while self._unplaced and self._candidates():
+        while self._unplaced and self.members.ready():
             _, rid = heapq.heappop(self._unplaced)
             tracked = self._requests.get(rid)
             if tracked is None or not tracked.unplaced:
@@ -359,7 +310,7 @@ class Engine:
     def on_ready(self, handle: ExecutorHandle) -> None:
         handle.reserved_blocks = 0
         self._place_unplaced()
-        self._evacuate_drains()
+        self.members.evacuate_drains()
 
     def on_events(self, handle: ExecutorHandle, events: list[RequestEvent]) -> None:
         requests = self._requests

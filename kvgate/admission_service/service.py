@@ -213,7 +213,7 @@ class AdmissionService:
 
     def _snapshot(self) -> StateSnapshot:
         engine = self.engine
-        unplaced = engine._num_unplaced if engine is not None else 0
+        unplaced = engine.num_unplaced if engine is not None else 0
         gauges = engine.executor_gauges() if engine is not None else []
         lag = self.intake.lag() if self.intake is not None else {}
         paused = self.intake.paused if self.intake is not None else False
