@@ -386,6 +386,8 @@ class Scheduler:
         requests = self.state.requests
         eos = self.state.model.eos_token_id
         events = self._events
+        if result.tokens:
+            self._progressed = True  # a token always lies past its request's high-water mark
         for token in result.tokens:
             request = requests.get(token.request_id)
             if request is None:
@@ -401,8 +403,7 @@ class Scheduler:
             events.append(
                 TokenEvent(token.request_id, len(outputs) - 1, token.token_id, token.exit_depth)
             )
-            request.progress_mark = max(request.progress_mark, token.position)
-            self._progressed = True
+            request.progress_mark = token.position
             sampling = request.spec.sampling
             if eos is not None and token.token_id == eos and not sampling.ignore_eos:
                 self._finish(request, FinishReason.STOP)
