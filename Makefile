@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(VENV)/bin/kvgate sim kvgate/admission_service/sim/examples/livelock.json
+	$(VENV)/bin/kvgate demo
 
 lint: setup
 	$(VENV)/bin/ruff check kvgate tests benchmarks

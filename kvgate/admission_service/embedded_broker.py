@@ -228,9 +228,16 @@ class EmbeddedBroker:
         if self._log_path is None:
             self._log_path = self._prepare_log()
         with self._log_path.open("ab") as sink:
-            # The child keeps its own descriptor for the file; ours closes here.
+            # The child keeps its own descriptor for the file; ours closes here. Its own session:
+            # a Ctrl-C in the terminal reaches only us, and we stop the broker after the
+            # service's last commit instead of losing it under the service's feet.
             self._process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, env=env
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         self._port = port
         log.info(

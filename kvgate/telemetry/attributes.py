@@ -51,3 +51,49 @@ KV_BLOCKS_FREE: Final = "kvgate.kv.blocks_free"
 KV_HOST_BLOCKS_USED: Final = "kvgate.kv.host_blocks_used"
 KV_SNAPSHOTS: Final = "kvgate.kv.snapshots"
 KV_REQUESTS: Final = "kvgate.kv.requests"
+
+# ------------------------------------------------------------------ request spans (gen_ai.*)
+# One span per request in the admission service, named "{operation} {model}" as the GenAI
+# semantic conventions ask, continuing the producer's trace context from the Kafka headers.
+GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
+GEN_AI_OPERATION_TEXT_COMPLETION: Final = "text_completion"
+GEN_AI_PROVIDER_NAME: Final = "gen_ai.provider.name"
+GEN_AI_PROVIDER: Final = "kvgate"
+GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS: Final = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE: Final = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P: Final = "gen_ai.request.top_p"
+GEN_AI_REQUEST_TOP_K: Final = "gen_ai.request.top_k"
+GEN_AI_REQUEST_SEED: Final = "gen_ai.request.seed"
+GEN_AI_RESPONSE_ID: Final = "gen_ai.response.id"
+GEN_AI_RESPONSE_MODEL: Final = "gen_ai.response.model"
+GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
+GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK: Final = "gen_ai.response.time_to_first_chunk"
+GEN_AI_USAGE_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+ERROR_TYPE: Final = "error.type"
+# Where the request came from (messaging conventions).
+MESSAGING_SYSTEM: Final = "messaging.system"
+MESSAGING_DESTINATION: Final = "messaging.destination.name"
+MESSAGING_PARTITION: Final = "messaging.destination.partition.id"
+MESSAGING_KAFKA_OFFSET: Final = "messaging.kafka.offset"
+# Scheduling facts of the request (kvgate's own namespace).
+REQUEST_PRIORITY: Final = "kvgate.request.priority"
+REQUEST_STATUS: Final = "kvgate.request.status"
+REQUEST_REJECT_CODE: Final = "kvgate.request.reject_code"
+REQUEST_QUEUED_S: Final = "kvgate.request.queued_s"
+REQUEST_PREEMPTIONS: Final = "kvgate.request.preemptions"
+REQUEST_RESTORES: Final = "kvgate.request.restores"
+REQUEST_RESTORE_MODES: Final = "kvgate.request.restore_modes"
+REQUEST_BYPASSES: Final = "kvgate.request.bypasses"
+REQUEST_RECOMPUTED_TOKENS: Final = "kvgate.request.recomputed_tokens"
+REQUEST_EXECUTORS: Final = "kvgate.request.executors"
+
+# ------------------------------------------------------- admission-side step spans
+# The admission service's span around one plan's round trip (kind CLIENT); the executor's
+# kvgate.step span is its child through the plan's traceparent.
+ADMISSION_STEP_SPAN: Final = "kvgate.step.round_trip"
+STEP_ROUND_TRIP_S: Final = "kvgate.step.round_trip_s"
+STEP_WAITING: Final = "kvgate.step.waiting"
+STEP_RUNNING: Final = "kvgate.step.running"
+STEP_ADMISSIONS: Final = "kvgate.step.admissions"

@@ -1,0 +1,131 @@
+"""The admin HTTP API (aiohttp): executor membership, drains, health, readiness, metrics.
+
+```
+GET  /v1/executors               -> ExecutorMembership
+PUT  /v1/executors               <- ExecutorSet      replace the membership (admin token)
+GET  /v1/executors/{name}        -> ExecutorStatus   ("drained" once a draining one is empty)
+POST /v1/executors/{name}/drain  -> ExecutorStatus   (admin token)
+GET  /healthz                    200 while the service runs its loops
+GET  /readyz                     200 once it consumes Kafka; 503 while starting or stopping
+GET  /metrics                    Prometheus text
+```
+
+Readiness deliberately does not require a connected executor: the operator pushes the
+membership through this very API (via the pool's Service, which only routes to ready pods), so
+requiring executors would deadlock a fresh pool. Mutations need ``Authorization: Bearer
+<admin token>``; with no token configured they are refused (403). Bodies are parsed with the
+``admin_api`` models; a bad body is answered 422 with an ``AdminError`` naming the problem.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from kvgate.admission_service.admin_api import AdminError, ExecutorMembership, ExecutorSet
+from kvgate.admission_service.engine import Engine
+from kvgate.admission_service.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+
+def _json(body: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=body.model_dump_json(), content_type="application/json")
+
+
+def _error(status: int, error: str, detail: str | None = None) -> web.Response:
+    return _json(AdminError(error=error, detail=detail), status)
+
+
+class AdminApi:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServiceMetrics,
+        *,
+        token: str | None,
+        ready: Callable[[], bool],
+        healthy: Callable[[], bool],
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._token = token.encode() if token else None
+        self._ready = ready
+        self._healthy = healthy
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics_text)
+        app.router.add_get("/v1/executors", self._membership)
+        app.router.add_put("/v1/executors", self._set_membership)
+        app.router.add_get("/v1/executors/{name}", self._status)
+        app.router.add_post("/v1/executors/{name}/drain", self._drain)
+        return app
+
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        if self._token is None:
+            return _error(403, "forbidden", "no admin token is configured: mutations are off")
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            credentials.strip().encode(), self._token
+        ):
+            return _error(401, "unauthorized", "a valid admin bearer token is required")
+        return None
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        if not self._healthy():
+            return web.Response(status=503, text="unhealthy\n")
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        if not self._ready():
+            return web.Response(status=503, text="not ready\n")
+        return web.Response(text="ready\n")
+
+    async def _metrics_text(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self._metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _membership(self, _request: web.Request) -> web.Response:
+        statuses = [h.status() for h in self._engine.handles.values()]
+        return _json(ExecutorMembership(executors=statuses))
+
+    async def _set_membership(self, request: web.Request) -> web.Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        try:
+            wanted = ExecutorSet.model_validate_json(await request.read())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(body)"
+            return _error(422, "invalid executor set", f"{where}: {first['msg']}")
+        names = [spec.name for spec in wanted.executors]
+        if len(set(names)) != len(names):
+            return _error(422, "invalid executor set", f"duplicate executor names in {names}")
+        await self._engine.set_members(wanted.executors)
+        log.info("membership set to %s", names)
+        return await self._membership(request)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        handle = self._engine.handles.get(request.match_info["name"])
+        if handle is None:
+            return _error(404, "unknown executor", request.match_info["name"])
+        return _json(handle.status())
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        status = self._engine.drain(request.match_info["name"])
+        if status is None:
+            return _error(404, "unknown executor", request.match_info["name"])
+        log.info("executor %s draining", status.name)
+        return _json(status)

@@ -1,0 +1,278 @@
+"""Intake: the consumer group on the request topic, rebalances, backpressure, and aborts.
+
+When it commits: never itself — offsets are committed by the outbox's commit cycles, only up to
+the lowest offset still in flight, so a crash at any point re-delivers every request whose
+answer is not durable (at-least-once consumption).
+
+On assignment of partition ``p`` (in this order): start ``p``'s transactional producer (fences
+the previous owner, finishing or aborting its open transaction); read the committed offset and
+its metadata; scan the results partition ``p`` from the recorded position for answers to
+requests at or above that offset; seek to it. Reading such an answered request again finalises
+it without running it.
+
+On revocation of ``p``: requests read from ``p`` are cancelled here without answers (handed
+off), one last commit cycle commits ``p`` up to its lowest unanswered offset, and ``p``'s
+producer stops — the next owner starts exactly where this one stopped answering.
+
+Backpressure: all request partitions are paused while the requests waiting here (read, not yet
+running) reach ``limits.max_waiting_requests``, and resumed once they fall to the resume mark.
+Records already fetched when the pause starts are still queued, so the mark can be overshot by
+up to ``max_poll_records``.
+
+Aborts are read by every instance (no consumer group, from the end of the topic at start): the
+request being aborted may be on any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord
+
+from kvgate.admission_service.delivery import PartitionLedger, decode_metadata
+from kvgate.admission_service.engine import Engine
+from kvgate.admission_service.kafka_io import (
+    client_options,
+    committed_offset,
+    raw_record,
+    scan_answered,
+)
+from kvgate.admission_service.metrics import ServiceMetrics
+from kvgate.admission_service.outbox import Outbox
+from kvgate.admission_service.settings import IsolationLevel, ServiceSettings
+from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.validation import (
+    Accepted,
+    Rejection,
+    validate_abort,
+    validate_request,
+)
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 100
+
+
+def request_consumer(settings: ServiceSettings) -> AIOKafkaConsumer:
+    kafka = settings.kafka
+    return AIOKafkaConsumer(
+        **client_options(kafka),
+        group_id=kafka.group_id,
+        enable_auto_commit=False,
+        auto_offset_reset=kafka.auto_offset_reset.value,
+        isolation_level=kafka.isolation_level.value,
+        session_timeout_ms=kafka.session_timeout_ms,
+        heartbeat_interval_ms=kafka.heartbeat_interval_ms,
+        max_poll_interval_ms=kafka.max_poll_interval_ms,
+        max_poll_records=kafka.max_poll_records,
+        fetch_max_bytes=max(52428800, 2 * settings.limits.max_message_bytes),
+        max_partition_fetch_bytes=max(1048576, settings.limits.max_message_bytes + 1024),
+    )
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, intake: Intake) -> None:
+        self._intake = intake
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._intake.revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._intake.assigned(assigned)
+
+
+class Intake:
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        consumer: AIOKafkaConsumer,
+        *,
+        engine: Engine,
+        outbox: Outbox,
+        metrics: ServiceMetrics,
+        tokenizer: TextCodec | None,
+        on_failure: Callable[[BaseException], None],
+    ) -> None:
+        self.settings = settings
+        self._on_failure = on_failure
+        self.consumer = consumer
+        self.engine = engine
+        self.outbox = outbox
+        self.metrics = metrics
+        self._tokenizer = tokenizer
+        self.paused = False
+        self.assigned_once = asyncio.Event()
+        self._fetching = True
+        self._stopped = asyncio.Event()
+        self._positions: dict[int, int] = {}  # partition -> next offset to read
+
+    def subscribe(self) -> None:
+        self.consumer.subscribe([self.settings.kafka.request_topic], listener=_Rebalance(self))
+
+    # ------------------------------------------------------------------------ rebalances
+    async def revoked(self, revoked: set[TopicPartition]) -> None:
+        for tp in sorted(revoked):
+            handed_off = self.engine.drop_partition(tp.topic, tp.partition)
+            await self.outbox.close_partition(tp.partition)
+            log.info("partition %d revoked (%d requests handed off)", tp.partition, handed_off)
+
+    async def assigned(self, assigned: set[TopicPartition]) -> None:
+        # Nothing may be read from a partition before its ledger exists: the consumer starts
+        # fetching as soon as the assignment is set, while this callback still runs.
+        self.consumer.pause(*assigned)
+        try:
+            for tp in sorted(assigned):
+                await self._take_over(tp)
+        except Exception as exc:
+            # aiokafka logs and swallows listener errors; a partition we hold but cannot
+            # track would never be read, so the service must fail (and be restarted) instead.
+            log.exception("taking over partitions %s failed", sorted(assigned))
+            self._on_failure(exc)
+            return
+        if not self.paused:
+            self.consumer.resume(*assigned)
+        self.assigned_once.set()
+
+    async def _take_over(self, tp: TopicPartition) -> None:
+        kafka = self.settings.kafka
+        read_committed = (
+            self.outbox.transactional or kafka.isolation_level is IsolationLevel.READ_COMMITTED
+        )
+        await self.outbox.open_partition(tp.partition)
+        committed, metadata = await committed_offset(self.consumer, tp)
+        answered, end = await scan_answered(
+            kafka,
+            partition=tp.partition,
+            results_from=decode_metadata(metadata),
+            committed=committed,
+            read_committed=read_committed,
+        )
+        self.outbox.track(
+            tp.partition, PartitionLedger(committed=committed, answered=answered, results_end=end)
+        )
+        if committed is not None:
+            self.consumer.seek(tp, committed)
+        log.info(
+            "partition %d assigned at offset %s (%d answered above it found)",
+            tp.partition,
+            committed,
+            len(answered),
+        )
+
+    # ---------------------------------------------------------------------- the loop
+    async def run(self) -> None:
+        """Read, validate and queue requests until ``stop_fetching``."""
+        try:
+            while self._fetching:
+                batch = await self.consumer.getmany(timeout_ms=_POLL_MS)
+                if not self._fetching:
+                    break  # shutting down: what was fetched is read again by the next owner
+                for tp, messages in batch.items():
+                    self._take(tp.partition, messages)
+                self._backpressure()
+        finally:
+            self._stopped.set()
+
+    def _take(self, partition: int, messages: list[ConsumerRecord[bytes, bytes]]) -> None:
+        engine = self.engine
+        outbox = self.outbox
+        limits = self.settings.limits
+        self.metrics.received.inc(len(messages))
+        if messages:
+            self._positions[partition] = messages[-1].offset + 1
+        for message in messages:
+            record = raw_record(message)
+            if outbox.read(partition, record.offset):
+                continue  # answered before (by a previous owner), or not ours (fenced)
+            verdict = validate_request(record, limits, self._tokenizer)
+            if isinstance(verdict, Accepted):
+                engine.submit(record, verdict)
+            else:
+                engine.reject(record, verdict)
+
+    def _backpressure(self) -> None:
+        waiting = self.engine.num_waiting
+        limits = self.settings.limits
+        if not self.paused and waiting >= limits.max_waiting_requests:
+            self.paused = True
+            self.consumer.pause(*self.consumer.assignment())
+            log.info("pausing intake: %d requests waiting", waiting)
+        elif self.paused and waiting <= limits.resume_mark:
+            self.paused = False
+            self.consumer.resume(*self.consumer.assignment())
+            log.info("resuming intake: %d requests waiting", waiting)
+
+    async def stop_fetching(self) -> None:
+        """Stop reading new requests (shutdown); returns once the loop has stopped."""
+        self._fetching = False
+        self.consumer.pause(*self.consumer.assignment())
+        await self._stopped.wait()
+
+    def lag(self) -> dict[int, int]:
+        """Records behind the end of each assigned partition (as of the last fetch)."""
+        lags = {}
+        for tp in self.consumer.assignment():
+            end = self.consumer.highwater(tp)
+            position = self._positions.get(tp.partition)
+            if end is not None and position is not None:
+                lags[tp.partition] = max(0, end - position)
+        return lags
+
+
+class AbortReader:
+    """Every abort, on every instance: a group-less consumer from the topic's end at start."""
+
+    def __init__(self, settings: ServiceSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.consumer = AIOKafkaConsumer(
+            **client_options(settings.kafka),
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level=settings.kafka.isolation_level.value,
+        )
+
+    async def start(self) -> None:
+        topic = self.settings.kafka.abort_topic
+        await self.consumer.start()
+        partitions = self.consumer.partitions_for_topic(topic)
+        if not partitions:
+            partitions = await self._wait_partitions(topic)
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        self.consumer.assign(tps)
+        await self.consumer.seek_to_end(*tps)
+        for tp in tps:
+            await self.consumer.position(tp)  # resolve "end" now, not at the first fetch
+
+    async def _wait_partitions(self, topic: str) -> set[int]:
+        for _ in range(100):
+            await self.consumer._client.force_metadata_update()
+            partitions = self.consumer.partitions_for_topic(topic)
+            if partitions:
+                return set(partitions)
+            await asyncio.sleep(0.1)
+        raise KafkaError(f"topic {topic} has no partitions")
+
+    async def run(self) -> None:
+        max_bytes = self.settings.limits.max_message_bytes
+        while True:
+            batch = await self.consumer.getmany(timeout_ms=500)
+            for messages in batch.values():
+                for message in messages:
+                    verdict = validate_abort(raw_record(message), max_bytes)
+                    if isinstance(verdict, Rejection):
+                        log.warning(
+                            "ignoring a bad abort at %s/%d: %s",
+                            message.partition,
+                            message.offset,
+                            verdict.reason,
+                        )
+                        continue
+                    self.engine.abort(verdict.request_id)
+
+    async def stop(self) -> None:
+        await self.consumer.stop()

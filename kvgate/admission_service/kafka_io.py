@@ -1,0 +1,248 @@
+"""Kafka plumbing: client options (TLS, SASL), topics, the transactions probe, committed offsets
+with their metadata, and the results scan that finds requests already answered.
+
+Everything that speaks to Kafka directly, other than the consume loop (``intake.py``) and the
+commit cycles (``outbox.py``), lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.helpers import create_ssl_context
+from aiokafka.structs import ConsumerRecord
+
+from kvgate.admission_service.settings import ExactlyOnce, KafkaSettings
+from kvgate.admission_service.validation import RawRecord
+
+log = logging.getLogger(__name__)
+
+
+class KafkaSetupError(RuntimeError):
+    """Kafka is not usable as configured (topics, partitions, transactions)."""
+
+
+def client_options(settings: KafkaSettings) -> dict[str, Any]:
+    """Connection options every client of the service shares (aiokafka keyword arguments)."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": settings.bootstrap_servers,
+        "client_id": settings.client_id,
+        "security_protocol": settings.security_protocol.value,
+        "request_timeout_ms": settings.request_timeout_ms,
+    }
+    if settings.sasl_mechanism is not None:
+        options["sasl_mechanism"] = settings.sasl_mechanism.value
+        options["sasl_plain_username"] = settings.sasl_username
+        options["sasl_plain_password"] = settings.sasl_password_value()
+    if settings.uses_tls:
+        context = create_ssl_context(
+            cafile=settings.ssl_cafile, certfile=settings.ssl_certfile, keyfile=settings.ssl_keyfile
+        )
+        context.check_hostname = settings.ssl_check_hostname
+        options["ssl_context"] = context
+    return options
+
+
+def raw_record(message: ConsumerRecord[bytes, bytes]) -> RawRecord:
+    return RawRecord(
+        topic=message.topic,
+        partition=message.partition,
+        offset=message.offset,
+        key=message.key,
+        value=message.value,
+        headers=tuple(message.headers),
+        timestamp_ms=message.timestamp,
+    )
+
+
+# ---------------------------------------------------------------------------------- topics
+
+
+async def _partition_counts(admin: AIOKafkaAdminClient, topics: list[str]) -> dict[str, int]:
+    existing = set(await admin.list_topics())
+    present = [t for t in topics if t in existing]
+    counts: dict[str, int] = {}
+    if present:
+        for description in await admin.describe_topics(present):
+            counts[description["topic"]] = len(description["partitions"])
+    return counts
+
+
+async def ensure_topics(settings: KafkaSettings) -> int:
+    """Create missing topics (when allowed) and check co-partitioning; returns the number of
+    request partitions.
+
+    Results (and tokens) must have at least as many partitions as requests: the result of a
+    request read from partition ``p`` is written to partition ``p``.
+    """
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        outputs = [settings.result_topic, settings.dlq_topic, settings.abort_topic]
+        if settings.token_topic is not None:
+            outputs.append(settings.token_topic)
+        wanted = [settings.request_topic, *outputs]
+        counts = await _partition_counts(admin, wanted)
+        missing = [t for t in wanted if t not in counts]
+        if missing and not settings.create_topics:
+            raise KafkaSetupError(f"topics {missing} do not exist and kafka.create_topics is false")
+        requests = counts.get(settings.request_topic, settings.partitions)
+        if missing:
+            new = [NewTopic(topic, requests, settings.replication_factor) for topic in missing]
+            with contextlib.suppress(TopicAlreadyExistsError):  # another instance was first
+                await admin.create_topics(new)
+            log.info("created topics %s with %d partitions", missing, requests)
+            counts = await _wait_for_topics(admin, wanted)
+        requests = counts[settings.request_topic]
+        for topic in (settings.result_topic, settings.token_topic):
+            if topic is not None and counts[topic] < requests:
+                raise KafkaSetupError(
+                    f"topic {topic} has {counts[topic]} partitions but {settings.request_topic} "
+                    f"has {requests}: results are written to the request's partition, so it "
+                    "needs at least as many"
+                )
+        return requests
+    finally:
+        await admin.close()
+
+
+async def _wait_for_topics(
+    admin: AIOKafkaAdminClient, topics: list[str], timeout_s: float = 30.0
+) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = await _partition_counts(admin, topics)
+        if all(t in counts for t in topics):
+            return counts
+        if time.monotonic() > deadline:
+            raise KafkaSetupError(f"topics {topics} did not appear within {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+async def supports_transactions(settings: KafkaSettings) -> bool:
+    """Whether the broker accepts a transactional producer (Tansu, for one, does not)."""
+    producer = AIOKafkaProducer(
+        **client_options(settings),
+        transactional_id=f"{settings.transactional_prefix}.probe",
+        transaction_timeout_ms=settings.transaction_timeout_ms,
+    )
+    try:
+        await producer.start()
+    except KafkaConnectionError:
+        raise
+    except KafkaError as exc:
+        log.warning("the broker refused a transactional producer (%r): exactly-once is off", exc)
+        return False
+    finally:
+        await producer.stop()
+    return True
+
+
+async def exactly_once_enabled(settings: KafkaSettings) -> bool:
+    if settings.exactly_once is ExactlyOnce.OFF:
+        return False
+    supported = await supports_transactions(settings)
+    if settings.exactly_once is ExactlyOnce.ON and not supported:
+        raise KafkaSetupError(
+            "kafka.exactly_once is 'on' but the broker does not support transactions; "
+            "set it to 'auto' or 'off'"
+        )
+    return supported
+
+
+# --------------------------------------------------------------------- offsets and the scan
+
+
+async def committed_offset(
+    consumer: AIOKafkaConsumer, tp: TopicPartition
+) -> tuple[int | None, str | None]:
+    """The group's committed offset of ``tp`` and its metadata (None, None when none).
+
+    aiokafka's public ``committed()`` drops the metadata, so this asks the group coordinator the
+    consumer already holds; brokers that do not keep metadata return an empty string.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is not None:
+        found = await coordinator.fetch_committed_offsets([tp])
+        entry = found.get(tp)
+        if entry is None or entry.offset < 0:
+            return None, None
+        return int(entry.offset), str(entry.metadata or "")
+    offset = await consumer.committed(tp)
+    return (None if offset is None or offset < 0 else int(offset)), None
+
+
+async def scan_answered(
+    settings: KafkaSettings,
+    *,
+    partition: int,
+    results_from: int | None,
+    committed: int | None,
+    read_committed: bool,
+) -> tuple[dict[int, int], int | None]:
+    """Read results partition ``partition`` from ``results_from`` (its start when None) to its
+    end; returns (request offset -> results offset) for answers to requests at or above
+    ``committed``, and the end position reached (None if the scan gave up).
+
+    The end is the last stable offset (transactions) or high watermark as the broker reports
+    them with each fetch — both correct on brokers whose ``end_offsets`` are not (Tansu).
+    """
+    tp = TopicPartition(settings.result_topic, partition)
+    consumer = AIOKafkaConsumer(
+        **client_options(settings),
+        group_id=None,
+        enable_auto_commit=False,
+        isolation_level="read_committed" if read_committed else "read_uncommitted",
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    answered: dict[int, int] = {}
+    try:
+        consumer.assign([tp])
+        if results_from is None:
+            await consumer.seek_to_beginning(tp)
+        else:
+            consumer.seek(tp, results_from)
+        deadline = time.monotonic() + settings.skip_scan_timeout_s
+        while True:
+            batch = await consumer.getmany(tp, timeout_ms=200, max_records=5000)
+            for message in batch.get(tp, []):
+                found = _answered_offset(message.value, settings.request_topic, partition)
+                if found is not None and (committed is None or found >= committed):
+                    answered[found] = message.offset
+            end = consumer.last_stable_offset(tp) if read_committed else consumer.highwater(tp)
+            position = await consumer.position(tp)
+            if end is not None and position >= end and not batch:
+                return answered, position
+            if time.monotonic() > deadline:
+                log.error(
+                    "reading %s for answered requests gave up after %.0f s at offset %d",
+                    tp,
+                    settings.skip_scan_timeout_s,
+                    position,
+                )
+                return answered, None
+    finally:
+        await consumer.stop()
+
+
+def _answered_offset(value: bytes | None, topic: str, partition: int) -> int | None:
+    """The request offset a result record answers, if it answers ``topic``/``partition``."""
+    if value is None:
+        return None
+    try:
+        source = json.loads(value).get("source") or {}
+    except (ValueError, AttributeError):
+        return None
+    if source.get("topic") != topic or source.get("partition") != partition:
+        return None
+    offset = source.get("offset")
+    return offset if isinstance(offset, int) else None

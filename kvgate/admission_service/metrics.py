@@ -1,0 +1,124 @@
+"""Prometheus metrics of the admission service (one registry per service instance).
+
+Counters are incremented where things happen; gauges that describe current state (queue depth,
+running requests, KV blocks, executors by state, consumer lag) are read from the live objects at
+scrape time by a collector, so they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvgate.admission_service.scheduler.events import StepReport
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorGauge:
+    name: str
+    state: str
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    """What the collector reads at scrape time."""
+
+    unplaced: int  # read but not on any executor yet
+    executors: list[ExecutorGauge]
+    consumer_lag: dict[int, int]  # request partition -> records behind the end
+    paused: bool
+
+
+class _StateCollector(Collector):
+    def __init__(self, read: Callable[[], StateSnapshot]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._read()
+        waiting = GaugeMetricFamily(
+            "kvgate_admission_waiting_requests", "requests queued, not running", labels=["executor"]
+        )
+        running = GaugeMetricFamily(
+            "kvgate_admission_running_requests", "requests running", labels=["executor"]
+        )
+        used = GaugeMetricFamily(
+            "kvgate_admission_kv_blocks_used", "KV cache blocks in use", labels=["executor"]
+        )
+        total = GaugeMetricFamily(
+            "kvgate_admission_kv_blocks_total", "KV cache blocks", labels=["executor"]
+        )
+        state = GaugeMetricFamily(
+            "kvgate_admission_executor_state",
+            "1 for the executor's state",
+            labels=["executor", "state"],
+        )
+        waiting.add_metric(["(unplaced)"], snapshot.unplaced)
+        for ex in snapshot.executors:
+            waiting.add_metric([ex.name], ex.waiting)
+            running.add_metric([ex.name], ex.running)
+            used.add_metric([ex.name], ex.kv_blocks_used)
+            total.add_metric([ex.name], ex.kv_blocks_total)
+            state.add_metric([ex.name, ex.state], 1)
+        queue = GaugeMetricFamily(
+            "kvgate_admission_queue_depth", "requests waiting across executors and unplaced"
+        )
+        queue.add_metric([], snapshot.unplaced + sum(e.waiting for e in snapshot.executors))
+        lag = GaugeMetricFamily(
+            "kvgate_admission_consumer_lag", "request records not yet read", labels=["partition"]
+        )
+        for partition, records in sorted(snapshot.consumer_lag.items()):
+            lag.add_metric([str(partition)], records)
+        paused = GaugeMetricFamily("kvgate_admission_paused", "1 while backpressure pauses intake")
+        paused.add_metric([], 1 if snapshot.paused else 0)
+        yield from (queue, waiting, running, used, total, state, lag, paused)
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.received = Counter("kvgate_admission_requests_received", "records read", registry=r)
+        self.results = Counter(
+            "kvgate_admission_results", "results produced", ["status"], registry=r
+        )
+        self.rejections = Counter(
+            "kvgate_admission_rejections", "requests rejected", ["code"], registry=r
+        )
+        self.dead_letters = Counter(
+            "kvgate_admission_dead_letters", "records sent to the dead-letter topic", registry=r
+        )
+        self.preemptions = Counter(
+            "kvgate_admission_preemptions", "preemptions", ["mode"], registry=r
+        )
+        self.bypasses = Counter(
+            "kvgate_admission_bypasses", "admission bypass increments", registry=r
+        )
+        self.steps = Counter("kvgate_admission_steps", "steps applied", ["executor"], registry=r)
+        self.executor_losses = Counter(
+            "kvgate_admission_executor_losses", "sessions that broke", ["executor"], registry=r
+        )
+        self.aborts = Counter("kvgate_admission_aborts", "abort messages read", registry=r)
+        self.commits = Counter("kvgate_admission_commits", "commit cycles", ["outcome"], registry=r)
+        self.step_round_trip = Histogram(
+            "kvgate_admission_step_round_trip_seconds",
+            "plan sent to result received",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+
+    def bind_state(self, read: Callable[[], StateSnapshot]) -> None:
+        self.registry.register(_StateCollector(read))
+
+    def observe_step(self, report: StepReport) -> None:
+        for preemption in report.preemptions:
+            self.preemptions.labels(mode=preemption.mode.value).inc()
+        if report.bypassed:
+            self.bypasses.inc(len(report.bypassed))

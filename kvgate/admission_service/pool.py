@@ -1,0 +1,334 @@
+"""One executor as the service sees it: its session, its scheduler and its step loop.
+
+```
+ CONNECTING ──accepted──▶ READY ──drain──▶ DRAINING ──empty──▶ DRAINED
+      ▲                     │                  │
+      └──backoff── LOST ◀───┴── session breaks ┘   (requests resume elsewhere by recompute)
+```
+
+Each accepted session gets a fresh :class:`Scheduler` sized from the executor's
+``ExecutorInfo`` (the executor reset itself when it accepted the epoch). The step loop keeps at
+most one plan in flight beyond the one being applied when ``async_scheduling`` is on: it plans
+step N+1, sends it, and only then applies step N's result.
+
+Lifting requests out of a draining executor happens at a quiescent point — no plan in flight —
+with ``evacuate(executor_alive=True)``, so the next plan frees their state there. An executor
+that leaves (removed from the membership, or the service stops) or is lost does not wait for
+its plans in flight: its session closes and ``evacuate(executor_alive=False)`` lifts everything;
+the executor resets when a session opens again. Either way the requests resume elsewhere by
+recompute. The handle reports every event to its :class:`PoolObserver` (the engine); it never
+decides where requests go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState, ExecutorStatus
+from kvgate.admission_service.executor_client import (
+    ConnectFailed,
+    Connector,
+    EpochClock,
+    SessionLost,
+    SessionRefused,
+    StepSession,
+)
+from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
+from kvgate.admission_service.scheduler.errors import PlanRejected, SchedulerStalled
+from kvgate.admission_service.scheduler.events import RequestEvent, StepReport
+from kvgate.admission_service.scheduler.scheduler import RequestProgress, Scheduler
+from kvgate.gpu_executor.api import ExecutorInfo, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.05  # re-plan while work exists but nothing can be planned (deadlines)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    reconnect_initial_s: float
+    reconnect_max_s: float
+    enable_prefix_caching: bool
+
+
+class PoolObserver(Protocol):
+    """What an executor handle tells the engine."""
+
+    def on_ready(self, handle: ExecutorHandle) -> None: ...
+
+    def on_events(self, handle: ExecutorHandle, events: list[RequestEvent]) -> None: ...
+
+    def on_lifted(
+        self, handle: ExecutorHandle, lifted: list[RequestProgress], failure: str | None
+    ) -> None: ...
+
+    def before_send(self, handle: ExecutorHandle, plan: StepPlan, report: StepReport) -> StepPlan:
+        """The plan to send (the engine adds the step span's trace context)."""
+        ...
+
+    def after_apply(
+        self, handle: ExecutorHandle, plan: StepPlan, result: StepResult, round_trip_s: float
+    ) -> None: ...
+
+
+def scheduler_for(info: ExecutorInfo, config: SchedulerConfig, prefix_caching: bool) -> Scheduler:
+    """A scheduler for the executor ``info`` describes, with its measured cost figures."""
+    updates: dict[str, float] = {}
+    if info.host_bandwidth_bytes_per_s is not None and info.kv_bytes_per_block > 0:
+        updates["snapshot_block_cost_s"] = (
+            2 * info.kv_bytes_per_block / info.host_bandwidth_bytes_per_s
+        )
+    if info.prefill_token_pass_s is not None:
+        updates["recompute_token_pass_cost_s"] = info.prefill_token_pass_s
+    cache = CacheConfig(
+        num_blocks=info.num_blocks,
+        block_size=info.block_size,
+        host_snapshot_blocks=info.host_snapshot_blocks,
+        enable_prefix_caching=prefix_caching,
+    )
+    model = ModelShape(
+        num_loops=info.num_loops,
+        eos_token_id=info.eos_token_id,
+        max_model_len=info.max_model_len,
+    )
+    return Scheduler(config.model_copy(update=updates), cache, model)
+
+
+class ExecutorHandle:
+    def __init__(
+        self,
+        spec: ExecutorSpec,
+        *,
+        connector: Connector,
+        epochs: EpochClock,
+        scheduler_config: SchedulerConfig,
+        settings: SessionSettings,
+        observer: PoolObserver,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self._connector = connector
+        self._epochs = epochs
+        self._config = scheduler_config
+        self._settings = settings
+        self._observer = observer
+        self._clock = clock
+        self.draining = spec.draining
+        self.info: ExecutorInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self.connected = False
+        self.lost_reason: str | None = None
+        self.reserved_blocks = 0  # full-length KV need of the requests placed here
+        self.sessions = 0
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._evacuate = False
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------------------ views
+    @property
+    def state(self) -> ExecutorState:
+        if self.scheduler is None or not self.connected:
+            return ExecutorState.LOST if self.lost_reason is not None else ExecutorState.CONNECTING
+        if not self.draining:
+            return ExecutorState.READY
+        return ExecutorState.DRAINING if self.scheduler.has_work else ExecutorState.DRAINED
+
+    @property
+    def accepts_work(self) -> bool:
+        return self.state is ExecutorState.READY
+
+    @property
+    def headroom_blocks(self) -> int:
+        """Cache blocks minus the full-length need of every request placed here."""
+        return 0 if self.info is None else self.info.num_blocks - self.reserved_blocks
+
+    def blocks_for(self, prompt_tokens: int, max_tokens: int) -> int:
+        assert self.info is not None
+        capacity = prompt_tokens + max_tokens - 1
+        return -(-capacity // self.info.block_size) * self.info.num_loops
+
+    def status(self) -> ExecutorStatus:
+        scheduler = self.scheduler
+        total = self.info.num_blocks if self.info is not None else 0
+        free = scheduler.state.pool.num_free_blocks if scheduler is not None else total
+        return ExecutorStatus(
+            name=self.name,
+            endpoint=self.spec.endpoint,
+            state=self.state,
+            running_requests=scheduler.num_running if scheduler is not None else 0,
+            waiting_requests=scheduler.num_waiting if scheduler is not None else 0,
+            kv_blocks_used=total - free,
+            kv_blocks_total=total,
+        )
+
+    # ---------------------------------------------------------------------------- control
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"kvgate-executor-{self.name}")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def set_draining(self, draining: bool) -> None:
+        self.draining = draining
+        self._wake.set()
+
+    def request_evacuation(self) -> None:
+        """Lift every request out at the next quiescent point (draining with somewhere to go)."""
+        self._evacuate = True
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Leave: hand every request back to the engine (lifted) and close the session."""
+        self._stop.set()
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+
+    # ----------------------------------------------------------------------- supervision
+    async def _supervise(self) -> None:
+        backoff = self._settings.reconnect_initial_s
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                session = await self._connector(self.spec.endpoint, self._epochs.next())
+            except (ConnectFailed, SessionRefused) as exc:
+                self.lost_reason = self.lost_reason or f"not connected: {exc}"
+                failures += 1
+                # Loud on the first failure and then every tenth: an executor that is still
+                # loading its model refuses connections for a while.
+                level = logging.WARNING if failures % 10 == 1 else logging.DEBUG
+                log.log(level, "executor %s: %s; retrying in %.1f s", self.name, exc, backoff)
+                await self._pause(backoff)
+                backoff = min(2 * backoff, self._settings.reconnect_max_s)
+                continue
+            backoff = self._settings.reconnect_initial_s
+            failures = 0
+            failure = await self._serve(session)
+            with contextlib.suppress(Exception):
+                await session.close()
+            if failure is None:
+                return
+            if failure.fenced:
+                # A newer admission session owns the executor now: do not fight over it.
+                await self._pause(self._settings.reconnect_max_s)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    async def _serve(self, session: StepSession) -> SessionLost | None:
+        self.info = session.info
+        self.scheduler = scheduler_for(
+            session.info, self._config, self._settings.enable_prefix_caching
+        )
+        self.connected = True
+        self.lost_reason = None
+        self.sessions += 1
+        self._evacuate = False
+        self._observer.on_ready(self)
+        loop = asyncio.create_task(self._step_loop(session), name=f"kvgate-steps-{self.name}")
+        stop = asyncio.create_task(self._stop.wait())
+        try:
+            await asyncio.wait({loop, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not loop.done():
+            # Leaving: no need to wait for plans in flight — the session closes, and the
+            # executor resets when a session opens again. Cancelling at an await point leaves
+            # the scheduler consistent (between schedule/send or awaiting a result).
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+            self._retire(None)
+            return None
+        try:
+            loop.result()
+        except (SessionLost, PlanRejected, SchedulerStalled) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("executor %s lost: %s", self.name, reason)
+            self._retire(reason)
+            return exc if isinstance(exc, SessionLost) else SessionLost(reason)
+        except Exception as exc:  # a bug here must not leave requests stranded on this handle
+            reason = f"internal error: {exc!r}"
+            log.exception("executor %s: step loop failed", self.name)
+            self._retire(reason)
+            return SessionLost(reason)
+        self._retire(None)
+        return None
+
+    def _retire(self, failure: str | None) -> None:
+        """The session is over: every request goes back to the engine (to resume elsewhere by
+        recompute); ``failure`` says why when the session broke."""
+        scheduler = self.scheduler
+        self.connected = False
+        self.lost_reason = failure
+        self.scheduler = None
+        if scheduler is not None:
+            lifted = scheduler.evacuate(executor_alive=False)
+            self._observer.on_events(self, scheduler.pop_events())
+            self._observer.on_lifted(self, lifted, failure)
+
+    # ------------------------------------------------------------------------- step loop
+    async def _step_loop(self, session: StepSession) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        allowed = 2 if scheduler.config.async_scheduling else 1
+        inflight: deque[tuple[StepPlan, float]] = deque()
+        observer = self._observer
+        while True:
+            if not inflight and self._evacuate:
+                self._evacuate = False
+                self._lift(scheduler)
+            while len(inflight) < allowed and scheduler.has_work and not self._evacuate:
+                plan = scheduler.schedule(self._clock())
+                events = scheduler.pop_events()
+                if events:
+                    observer.on_events(self, events)
+                if plan is None:
+                    break
+                plan = observer.before_send(self, plan, scheduler.last_report)
+                await session.send(plan)
+                inflight.append((plan, time.perf_counter()))
+            if inflight:
+                result = await session.receive()
+                plan, sent_at = inflight.popleft()
+                events = scheduler.apply(result)
+                observer.after_apply(self, plan, result, time.perf_counter() - sent_at)
+                if events:
+                    observer.on_events(self, events)
+                continue
+            await self._idle(session, poll=scheduler.has_work)
+
+    async def _idle(self, session: StepSession, *, poll: bool) -> None:
+        """Wait for new work, a control request, or the session breaking (then raise)."""
+        self._wake.clear()
+        if self._evacuate:
+            return
+        woken = asyncio.ensure_future(self._wake.wait())
+        lost = asyncio.ensure_future(session.wait_lost())
+        try:
+            await asyncio.wait(
+                {woken, lost},
+                timeout=_IDLE_POLL_S if poll else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            woken.cancel()
+            lost.cancel()
+        if lost.done() and not lost.cancelled():
+            raise lost.result()
+
+    def _lift(self, scheduler: Scheduler) -> None:
+        """Hand every request back to the engine; the next plan frees them on the executor."""
+        lifted = scheduler.evacuate(executor_alive=True)
+        if lifted:
+            self._observer.on_lifted(self, lifted, None)

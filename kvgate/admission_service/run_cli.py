@@ -1,0 +1,81 @@
+"""``kvgate run``: the demo's stack, serving ``kvgate.requests`` until Ctrl-C.
+
+Prints the bootstrap address to produce to (``kvgate produce FILE.jsonl --bootstrap ...``) and
+the admin API address; results go to ``kvgate.results`` (``kvgate results --bootstrap ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from kvgate.admission_service.cli import configure_telemetry
+from kvgate.admission_service.settings import TelemetrySettings
+from kvgate.admission_service.stack import LocalStack, StackOptions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", type=Path, default=Path("kvgate-demo-out"))
+    parser.add_argument("--model-dir", type=Path, help="an existing model (default: a tiny one)")
+    parser.add_argument("--family", choices=["llama", "looped"], default="llama")
+    parser.add_argument("--port", type=int, help="Kafka port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--num-blocks", type=int, default=256, help="executor KV cache blocks")
+    parser.add_argument("--token-topic", action="store_true", help="also stream tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    provider = configure_telemetry(
+        TelemetrySettings(service_name="kvgate-run", spans_file=args.out_dir / "spans.jsonl")
+    )
+    try:
+        return asyncio.run(_serve(args))
+    except RuntimeError as exc:
+        print(f"kvgate run: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if provider is not None:
+            provider.shutdown()
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    options = StackOptions(
+        out_dir=args.out_dir,
+        model_dir=args.model_dir,
+        family=args.family,
+        num_blocks=args.num_blocks,
+        broker_port=args.port,
+        max_num_seqs=32,
+    )
+    overrides = {"kafka": {"token_topic": "kvgate.tokens"}} if args.token_topic else {}
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with LocalStack(options, **overrides) as stack:
+        service = stack.service
+        assert service is not None
+        admin = service.settings.admin
+        token = admin.token_value()
+        print(
+            f"\nkvgate is serving.\n"
+            f"  Kafka bootstrap   {stack.bootstrap}\n"
+            f"  requests topic    {service.settings.kafka.request_topic}\n"
+            f"  results topic     {service.settings.kafka.result_topic}\n"
+            f"  admin API         http://127.0.0.1:{service.admin_port} (token {token})\n"
+            f"  produce:  kvgate produce FILE.jsonl --bootstrap {stack.bootstrap}\n"
+            f"  results:  kvgate results --bootstrap {stack.bootstrap} --from-beginning\n"
+            f"Ctrl-C to stop.\n",
+            flush=True,
+        )
+        stopping = asyncio.create_task(stop.wait())
+        failing = asyncio.create_task(service.failed.wait())
+        await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        failing.cancel()
+        return 1 if service.failure is not None else 0

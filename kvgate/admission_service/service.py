@@ -1,0 +1,310 @@
+"""The admission service: wiring, start-up and the ordered shutdown.
+
+Start-up: tokenizer (if configured) → topics (created or checked) → exactly-once probe → admin
+API (health answers from here on) → producers, consumer group, abort reader → executors from
+the static membership → ready.
+
+Shutdown (SIGTERM):
+
+1. stop fetching: the consumer pauses and the intake loop ends (records fetched but not queued
+   are read again by the partitions' next owner);
+2. running work has ``shutdown.grace_period_s`` to finish (aborts are still honoured);
+3. what is left is handed off: cancelled here without an answer, so its offset stays
+   uncommitted and the next owner runs it;
+4. a last commit cycle per partition commits everything answered, up to the lowest handed-off
+   offset; producers stop; the consumer leaves the group; exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiokafka import AIOKafkaProducer
+from opentelemetry import trace
+
+from kvgate.admission_service.admin import AdminApi
+from kvgate.admission_service.engine import Engine, EngineSettings
+from kvgate.admission_service.executor_client import Connector, WebSocketConnector
+from kvgate.admission_service.faults import CrashPoints
+from kvgate.admission_service.intake import AbortReader, Intake, request_consumer
+from kvgate.admission_service.kafka_io import client_options, ensure_topics, exactly_once_enabled
+from kvgate.admission_service.metrics import ServiceMetrics, StateSnapshot
+from kvgate.admission_service.outbox import Outbox
+from kvgate.admission_service.pool import SessionSettings
+from kvgate.admission_service.settings import ServiceSettings, SettingsError
+from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
+from kvgate.admission_service.tracing import ServiceTracer
+
+log = logging.getLogger(__name__)
+
+
+class AdmissionService:
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        *,
+        connector: Connector | None = None,
+        tracer: trace.Tracer | None = None,
+        timeline_steps: int = 0,
+    ) -> None:
+        self.settings = settings
+        self.metrics = ServiceMetrics()
+        self.tokenizer: TextCodec | None = None
+        if settings.limits.tokenizer_file is not None:
+            self.tokenizer = load_tokenizer(settings.limits.tokenizer_file)
+        executors = settings.executors
+        self._http: aiohttp.ClientSession | None = None
+        if connector is None:
+            token = executors.token_value()
+            if token is None:
+                raise SettingsError(
+                    "executors.token (or executors.token_file) is required to reach executors"
+                )
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=executors.connect_timeout_s)
+            )
+            connector = WebSocketConnector(
+                self._http,
+                token,
+                connect_timeout_s=executors.connect_timeout_s,
+                heartbeat_s=executors.heartbeat_s,
+                step_timeout_s=executors.step_timeout_s,
+            )
+        self.engine_settings = EngineSettings(
+            scheduler=settings.scheduler,
+            session=SessionSettings(
+                reconnect_initial_s=executors.reconnect_initial_s,
+                reconnect_max_s=executors.reconnect_max_s,
+                enable_prefix_caching=executors.enable_prefix_caching,
+            ),
+            max_request_failures=executors.max_request_failures,
+            token_stream=settings.kafka.token_topic is not None,
+            abort_memory_s=settings.limits.abort_memory_s,
+            timeline_steps=timeline_steps,
+        )
+        self._connector = connector
+        self._tracer = ServiceTracer(tracer, settings.telemetry.model_name)
+        self.engine: Engine | None = None
+        self.intake: Intake | None = None
+        self.outbox: Outbox | None = None
+        self._aborts: AbortReader | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._outbox_task: asyncio.Task[None] | None = None
+        self.ready = False
+        self.exactly_once = False
+        self.admin_port: int | None = None
+        self._failed: BaseException | None = None
+        self.failed = asyncio.Event()
+
+    # -------------------------------------------------------------------------- start
+    async def start(self) -> None:
+        kafka = self.settings.kafka
+        partitions = await ensure_topics(kafka)
+        self.exactly_once = await exactly_once_enabled(kafka)
+        log.info(
+            "%s has %d partitions; exactly-once %s",
+            kafka.request_topic,
+            partitions,
+            "on (transactions)" if self.exactly_once else "off (at-least-once)",
+        )
+        consumer = request_consumer(self.settings)
+        self.outbox = Outbox(
+            kafka,
+            transactional=self.exactly_once,
+            producer_factory=self._producer,
+            commit_offsets=consumer.commit,
+            metrics=self.metrics,
+            crash_points=CrashPoints(),
+        )
+        engine = Engine(
+            self.engine_settings,
+            connector=self._connector,
+            sink=self.outbox,
+            tracer=self._tracer,
+            metrics=self.metrics,
+            tokenizer=self.tokenizer,
+        )
+        self.engine = engine
+        self.intake = Intake(
+            self.settings,
+            consumer,
+            engine=engine,
+            outbox=self.outbox,
+            metrics=self.metrics,
+            tokenizer=self.tokenizer,
+            on_failure=self._fail,
+        )
+        self.metrics.bind_state(self._snapshot)
+        await self._start_admin(engine)
+        await self.outbox.start()
+        await consumer.start()
+        self.intake.subscribe()
+        self._aborts = AbortReader(self.settings, engine)
+        await self._aborts.start()
+        self._spawn(self.intake.run(), "intake")
+        self._outbox_task = self._spawn(self.outbox.run(), "outbox")
+        self._spawn(self._aborts.run(), "aborts")
+        await engine.set_members(self.settings.executors.members)
+        self.ready = True
+
+    def _producer(self, transactional_id: str | None) -> AIOKafkaProducer:
+        kafka = self.settings.kafka
+        size = max(1 << 20, 4 * self.settings.limits.max_message_bytes)
+        if transactional_id is None:
+            return AIOKafkaProducer(
+                **client_options(kafka), acks="all", enable_idempotence=False, max_request_size=size
+            )
+        return AIOKafkaProducer(
+            **client_options(kafka),
+            transactional_id=transactional_id,
+            transaction_timeout_ms=kafka.transaction_timeout_ms,
+            max_request_size=size,
+        )
+
+    async def _start_admin(self, engine: Engine) -> None:
+        admin = self.settings.admin
+        api = AdminApi(
+            engine,
+            self.metrics,
+            token=admin.token_value(),
+            ready=lambda: self.ready,
+            healthy=lambda: self._failed is None,
+        )
+        self._runner = web.AppRunner(api.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, admin.host, admin.port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.admin_port = int(sockets[0].getsockname()[1]) if sockets else admin.port
+        log.info("admin API on http://%s:%d", admin.host, self.admin_port)
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(work, name=f"kvgate-{name}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.error("%s failed: %r", task.get_name(), error, exc_info=error)
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failed is None:
+            self._failed = error
+            self.ready = False
+            self.failed.set()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failed
+
+    def _snapshot(self) -> StateSnapshot:
+        engine = self.engine
+        unplaced = engine.num_unplaced if engine is not None else 0
+        gauges = engine.executor_gauges() if engine is not None else []
+        lag = self.intake.lag() if self.intake is not None else {}
+        paused = self.intake.paused if self.intake is not None else False
+        return StateSnapshot(unplaced=unplaced, executors=gauges, consumer_lag=lag, paused=paused)
+
+    # ------------------------------------------------------------------------ shutdown
+    async def shutdown(self) -> None:
+        """The ordered shutdown of the module docstring; safe after a failed start."""
+        self.ready = False
+        grace = self.settings.shutdown.grace_period_s
+        if self.intake is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.intake.stop_fetching(), 10.0)
+        if self.engine is not None:
+            try:
+                if self.engine.num_tracked:
+                    await asyncio.wait_for(self.engine.wait_idle(), grace)
+            except TimeoutError:
+                log.warning(
+                    "%d requests unfinished after %.0f s: handing them off",
+                    self.engine.num_tracked,
+                    grace,
+                )
+            await self.engine.close()
+        if self.outbox is not None and self._outbox_task is not None:
+            self.outbox.stop_soon()  # never cancelled mid-transaction
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._outbox_task), 60.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.outbox is not None:
+            for partition in list(self.outbox.ledgers):
+                await _closing(f"partition {partition}", self.outbox.close_partition(partition))
+        if self._aborts is not None:
+            await _closing("the abort reader", self._aborts.stop())
+        if self.intake is not None:
+            await _closing("the consumer", self.intake.consumer.stop())
+        if self.outbox is not None:
+            await _closing("the producers", self.outbox.close())
+        if self._http is not None:
+            await self._http.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+async def _closing(what: str, closing: Coroutine[Any, Any, None]) -> None:
+    """One shutdown step; its failure is logged and the next step still runs.
+
+    aiokafka can let a ``CancelledError`` of its own internal tasks escape from ``stop()``;
+    that one is swallowed here, while a cancellation of the shutdown itself propagates.
+    """
+    task = asyncio.ensure_future(closing)
+    try:
+        await asyncio.wait_for(asyncio.shield(task), 30.0)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+        log.warning("closing %s: an internal task was cancelled", what)
+    except Exception as exc:
+        log.warning("closing %s failed: %r", what, exc)
+
+
+def tune_garbage_collector() -> None:
+    """For entry points, once start-up is done: a service that holds tens of thousands of
+    queued requests spends most of its intake time in full collections of that long-lived heap
+    (measured: 1.6-1.8x fewer requests/s). Start-up objects move to the permanent generation,
+    and young collections run every 50,000 allocations instead of 700."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
+async def serve(settings: ServiceSettings, stop: asyncio.Event, **options: Any) -> int:
+    """Run until ``stop`` is set (or a loop fails); returns the exit code."""
+    service = AdmissionService(settings, **options)
+    try:
+        starting = asyncio.create_task(service.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            return 0
+        starting.result()
+        tune_garbage_collector()
+        failing = asyncio.create_task(service.failed.wait())
+        await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        failing.cancel()
+        return 1 if service.failure is not None else 0
+    finally:
+        await service.shutdown()

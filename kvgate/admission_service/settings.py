@@ -1,0 +1,362 @@
+"""The admission service's settings: one typed model, read from a YAML file and ``KVGATE_*``.
+
+Sources, strongest first: ``KVGATE_<SECTION>__<KEY>`` environment variables (for example
+``KVGATE_KAFKA__BOOTSTRAP_SERVERS``), then the YAML file given with ``--config``, then the
+defaults below. The file's top-level sections are the ones the operator writes into the pool's
+ConfigMap (``kafka``, ``scheduler``, ``admin``, ``executors``, ``telemetry``) plus ``limits`` and
+``shutdown``. Unknown keys are errors, and :func:`load_settings` turns every problem into one
+line naming the setting (``kafka.session_timeout_ms: ...``), so a bad file fails at start.
+
+Secrets never need to be in the file: the SASL password, admin token and executor token can each
+be given as a ``*_file`` path (a mounted Kubernetes Secret) or through the environment.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvgate.admission_service.admin_api import ExecutorSpec
+from kvgate.admission_service.scheduler.config import SchedulerConfig
+
+ENV_PREFIX = "KVGATE_"
+TopicName = Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")]
+PositiveSeconds = Annotated[float, Field(gt=0.0)]
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used; the message names every bad setting, one per line."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ExactlyOnce(StrEnum):
+    """``auto``: transactions when the broker supports them (probed at start)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class SecurityProtocol(StrEnum):
+    PLAINTEXT = "PLAINTEXT"
+    SSL = "SSL"
+    SASL_PLAINTEXT = "SASL_PLAINTEXT"
+    SASL_SSL = "SASL_SSL"
+
+
+class SaslMechanism(StrEnum):
+    PLAIN = "PLAIN"
+    SCRAM_SHA_256 = "SCRAM-SHA-256"
+    SCRAM_SHA_512 = "SCRAM-SHA-512"
+
+
+class IsolationLevel(StrEnum):
+    READ_COMMITTED = "read_committed"
+    READ_UNCOMMITTED = "read_uncommitted"
+
+
+class OffsetReset(StrEnum):
+    EARLIEST = "earliest"
+    LATEST = "latest"
+
+
+def _read_secret(inline: SecretStr | None, path: Path | None, what: str) -> str | None:
+    if inline is not None:
+        return inline.get_secret_value()
+    if path is None:
+        return None
+    try:
+        value = path.read_text().strip()
+    except OSError as exc:
+        raise SettingsError(f"{what}: cannot read {path}: {exc.strerror}") from exc
+    if not value:
+        raise SettingsError(f"{what}: {path} is empty")
+    return value
+
+
+class KafkaSettings(_Section):
+    bootstrap_servers: Annotated[str, Field(pattern=r"^[^\s,]+(,[^\s,]+)*$")]
+    request_topic: TopicName = "kvgate.requests"
+    result_topic: TopicName = "kvgate.results"
+    token_topic: TopicName | None = None  # the optional token stream
+    abort_topic: TopicName = "kvgate.aborts"
+    dlq_topic: TopicName = "kvgate.requests.dlq"
+    group_id: Annotated[str, Field(min_length=1, max_length=255)] = "kvgate-admission"
+    client_id: Annotated[str, Field(min_length=1)] = "kvgate-admission"
+    # Topics missing at start are created with this many partitions (results, tokens and dead
+    # letters get the request topic's count, so results stay co-partitioned with requests).
+    create_topics: bool = True
+    partitions: Annotated[int, Field(ge=1, le=10000)] = 6
+    replication_factor: Annotated[int, Field(ge=1, le=32)] = 1
+    exactly_once: ExactlyOnce = ExactlyOnce.AUTO
+    transactional_id_prefix: Annotated[str, Field(min_length=1)] | None = None  # group_id
+    transaction_timeout_ms: Annotated[int, Field(ge=1000)] = 60000
+    isolation_level: IsolationLevel = IsolationLevel.READ_COMMITTED
+    auto_offset_reset: OffsetReset = OffsetReset.EARLIEST
+    session_timeout_ms: Annotated[int, Field(ge=500)] = 10000
+    heartbeat_interval_ms: Annotated[int, Field(ge=100)] = 3000
+    max_poll_interval_ms: Annotated[int, Field(ge=1000)] = 300000
+    max_poll_records: Annotated[int, Field(ge=1, le=100000)] = 500
+    request_timeout_ms: Annotated[int, Field(ge=1000)] = 30000
+    # How often finished work is committed (results + consumed offsets, one transaction).
+    commit_interval_ms: Annotated[int, Field(ge=1, le=60000)] = 100
+    # Reading the results partition on assignment (to skip requests already answered) gives up
+    # after this long; the partition is then consumed without a skip set (duplicates possible).
+    skip_scan_timeout_s: PositiveSeconds = 60.0
+    security_protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    sasl_password_file: Path | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_check_hostname: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below "
+                f"session_timeout_ms ({self.session_timeout_ms})"
+            )
+        uses_sasl = self.security_protocol in (
+            SecurityProtocol.SASL_PLAINTEXT,
+            SecurityProtocol.SASL_SSL,
+        )
+        if uses_sasl and (self.sasl_mechanism is None or not self.sasl_username):
+            raise ValueError(
+                f"security_protocol {self.security_protocol} needs sasl_mechanism and sasl_username"
+            )
+        if uses_sasl and self.sasl_password is None and self.sasl_password_file is None:
+            raise ValueError("SASL needs sasl_password or sasl_password_file")
+        if not uses_sasl and self.sasl_mechanism is not None:
+            raise ValueError(
+                f"sasl_mechanism needs security_protocol SASL_PLAINTEXT or SASL_SSL, not "
+                f"{self.security_protocol}"
+            )
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together (mutual TLS)")
+        topics = [self.request_topic, self.result_topic, self.abort_topic, self.dlq_topic]
+        if self.token_topic is not None:
+            topics.append(self.token_topic)
+        if len(set(topics)) != len(topics):
+            raise ValueError(f"the topics must be distinct, got {topics}")
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.security_protocol in (SecurityProtocol.SSL, SecurityProtocol.SASL_SSL)
+
+    def sasl_password_value(self) -> str | None:
+        return _read_secret(self.sasl_password, self.sasl_password_file, "kafka.sasl_password")
+
+    @property
+    def transactional_prefix(self) -> str:
+        return self.transactional_id_prefix or self.group_id
+
+
+class AdminSettings(_Section):
+    host: str = "0.0.0.0"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080  # 0: any free port (tests)
+    token: SecretStr | None = None
+    token_file: Path | None = None
+
+    def token_value(self) -> str | None:
+        """The bearer token mutations need; None means mutations are refused."""
+        return _read_secret(self.token, self.token_file, "admin.token")
+
+
+class ExecutorsSettings(_Section):
+    """Executor membership (a static list here, or pushed through the admin API) and sessions."""
+
+    members: list[ExecutorSpec] = Field(default_factory=list)
+    token: SecretStr | None = None
+    token_file: Path | None = None
+    connect_timeout_s: PositiveSeconds = 10.0
+    heartbeat_s: PositiveSeconds = 5.0
+    # A step result must arrive within this long, or the executor is treated as lost.
+    step_timeout_s: PositiveSeconds = 120.0
+    reconnect_initial_s: PositiveSeconds = 0.2
+    reconnect_max_s: PositiveSeconds = 10.0
+    enable_prefix_caching: bool = True
+    # A request present on this many executors that failed under it is failed itself (it may be
+    # what breaks them), instead of being restored on yet another executor.
+    max_request_failures: Annotated[int, Field(ge=1)] = 3
+
+    @model_validator(mode="after")
+    def _members(self) -> Self:
+        names = [m.name for m in self.members]
+        if len(set(names)) != len(names):
+            raise ValueError(f"executor names must be unique, got {names}")
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ValueError("reconnect_max_s must be at least reconnect_initial_s")
+        return self
+
+    def token_value(self) -> str | None:
+        return _read_secret(self.token, self.token_file, "executors.token")
+
+
+class LimitsSettings(_Section):
+    """What a request may ask for, checked before it is queued."""
+
+    max_message_bytes: Annotated[int, Field(ge=64)] = 1 << 20
+    max_prompt_tokens: Annotated[int, Field(ge=1)] = 8192
+    max_output_tokens: Annotated[int, Field(ge=1)] = 8192
+    priority_min: int = -1000
+    priority_max: int = 1000
+    # Backpressure: request partitions are paused while this many requests wait (queued but not
+    # running), and resumed once the count falls to ``resume_waiting_requests``.
+    max_waiting_requests: Annotated[int, Field(ge=1)] = 4096
+    resume_waiting_requests: Annotated[int, Field(ge=0)] | None = None
+    tokenizer_file: Path | None = None  # enables text prompts and text in results
+    # Aborts are remembered this long, for requests that arrive after their abort.
+    abort_memory_s: PositiveSeconds = 600.0
+
+    @model_validator(mode="after")
+    def _ranges(self) -> Self:
+        if self.priority_min > self.priority_max:
+            raise ValueError(
+                f"priority_min ({self.priority_min}) exceeds priority_max ({self.priority_max})"
+            )
+        if self.resume_mark >= self.max_waiting_requests:
+            raise ValueError(
+                f"resume_waiting_requests ({self.resume_mark}) must be below "
+                f"max_waiting_requests ({self.max_waiting_requests})"
+            )
+        return self
+
+    @property
+    def resume_mark(self) -> int:
+        if self.resume_waiting_requests is not None:
+            return self.resume_waiting_requests
+        return self.max_waiting_requests * 3 // 4
+
+
+class TelemetrySettings(_Section):
+    service_name: Annotated[str, Field(min_length=1)] = "kvgate-admission"
+    otlp_endpoint: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    spans_file: Path | None = None  # also write every span as a JSON line here
+    model_name: Annotated[str, Field(min_length=1)] = "kvgate"  # gen_ai.request.model
+
+
+class ShutdownSettings(_Section):
+    # On SIGTERM, running work has this long to finish before it is handed off (left
+    # uncommitted, so the next owner of its partition runs it again).
+    grace_period_s: Annotated[float, Field(ge=0.0)] = 30.0
+
+
+def _service_scheduler_defaults(value: object) -> object:
+    """The service keeps one plan in flight per executor unless told otherwise."""
+    if isinstance(value, Mapping):
+        return {"async_scheduling": True, **value}
+    return value
+
+
+_FILE_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("kvgate_settings_file")
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The parsed YAML file (handed over through a context variable by ``load_settings``)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return _FILE_DATA.get({}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_FILE_DATA.get({}))
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    kafka: KafkaSettings
+    scheduler: SchedulerConfig = SchedulerConfig(async_scheduling=True)
+    admin: AdminSettings = AdminSettings()
+    executors: ExecutorsSettings = ExecutorsSettings()
+    limits: LimitsSettings = LimitsSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+    shutdown: ShutdownSettings = ShutdownSettings()
+
+    @field_validator("scheduler", mode="before")
+    @classmethod
+    def _scheduler_defaults(cls, value: object) -> object:
+        return _service_scheduler_defaults(value)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSource(settings_cls)
+
+
+def read_settings_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(f"settings file {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"settings file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(
+            f"settings file {path} must hold a mapping of sections, not {type(data).__name__}"
+        )
+    return data
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem, each naming the setting: ``kafka.partitions: ...``."""
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"{where}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def load_settings(
+    path: Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> ServiceSettings:
+    """Settings from ``path`` (optional), the environment and ``overrides`` (strongest).
+
+    Raises :class:`SettingsError` naming each bad setting.
+    """
+    data = read_settings_file(path) if path is not None else {}
+    token = _FILE_DATA.set(data)
+    try:
+        return ServiceSettings(**dict(overrides or {}))
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from None
+    finally:
+        _FILE_DATA.reset(token)

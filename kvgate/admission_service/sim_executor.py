@@ -1,0 +1,205 @@
+"""The simulated executor behind the session protocol: in-process sessions and epoch fencing.
+
+:class:`SimBackend` is one simulated executor with the real executor's session rules: a session
+opens only with an epoch above every epoch accepted before, and accepting one resets the
+executor and fences the older session out. :class:`LocalConnector` opens in-process sessions
+to named backends (tests and the ingest benchmark: the whole service without a network);
+``kvgate sim-executor`` (:mod:`kvgate.admission_service.sim_server`) serves a backend over the
+real WebSocket protocol.
+
+Fault injection for tests: :meth:`LocalConnector.lose` breaks a backend's open session,
+:meth:`SimBackend.hold` keeps results back until :meth:`SimBackend.release` (a slow executor),
+and ``refuse`` makes new sessions fail to connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvgate.admission_service.executor_client import ConnectFailed, SessionLost, SessionRefused
+from kvgate.admission_service.sim.executor import SimExecutor
+from kvgate.admission_service.sim.workload import ExitMode, ModelSection
+from kvgate.gpu_executor import api
+
+
+class SimExecutorConfig(BaseModel):
+    """A simulated executor: its model (deterministic token function) and cache geometry."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    executor_id: str = "sim-0"
+    loops: Annotated[int, Field(ge=1, le=64)] = 1
+    min_loops: Annotated[int, Field(ge=1)] = 1
+    exit: ExitMode = ExitMode.HASH
+    vocab_size: Annotated[int, Field(ge=2)] = 512
+    seed: Annotated[int, Field(ge=0)] = 0
+    eos_token_id: Annotated[int, Field(ge=0)] | None = None
+    num_blocks: Annotated[int, Field(ge=1)] = 256
+    block_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    host_snapshot_blocks: Annotated[int, Field(ge=0)] = 0
+
+    def build(self) -> SimExecutor:
+        model = ModelSection(
+            loops=self.loops,
+            min_loops=self.min_loops,
+            exit=self.exit,
+            vocab_size=self.vocab_size,
+            seed=self.seed,
+            eos_token_id=self.eos_token_id,
+        )
+        return SimExecutor(
+            model,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            host_snapshot_blocks=self.host_snapshot_blocks,
+            executor_id=self.executor_id,
+        )
+
+
+class SimBackend:
+    """One simulated executor and its session rules (shared by local and WebSocket serving)."""
+
+    def __init__(self, config: SimExecutorConfig) -> None:
+        self.config = config
+        self.executor = config.build()
+        self.max_epoch: int | None = None
+        self.steps = 0
+        self.plan_traceparents: list[str | None] = []  # per executed plan, for tracing tests
+        self._current: LocalSession | None = None
+        self._held = False
+        self._hold_at_step: int | None = None
+        self._released = asyncio.Event()
+        self._released.set()
+
+    @property
+    def info(self) -> api.ExecutorInfo:
+        return self.executor.info
+
+    def accept(self, epoch: int) -> api.ProtocolError | None:
+        """Fence older sessions and reset; an error when ``epoch`` is not newer."""
+        if self.max_epoch is not None and epoch <= self.max_epoch:
+            return api.ProtocolError(
+                code=api.ErrorCode.STALE_EPOCH,
+                message=f"epoch {epoch} is not newer than accepted epoch {self.max_epoch}",
+            )
+        self.max_epoch = epoch
+        self.executor.reset()
+        return None
+
+    def execute(self, plan: api.StepPlan) -> api.StepResult:
+        self.steps += 1
+        self.plan_traceparents.append(plan.traceparent)
+        if self.steps == self._hold_at_step:
+            self.hold()
+        return self.executor.execute(plan)
+
+    def hold_after(self, steps: int) -> None:
+        """Hold results from the ``steps``-th step on (a deterministic point mid-run)."""
+        self._hold_at_step = self.steps + steps
+
+    def hold(self) -> None:
+        """Keep results back (plans still run in order when released)."""
+        self._held = True
+        self._released.clear()
+
+    def release(self) -> None:
+        self._held = False
+        self._released.set()
+
+    async def wait_released(self) -> None:
+        await self._released.wait()
+
+
+class LocalSession:
+    """An in-process session: plans run in order on one worker task, as on an executor."""
+
+    def __init__(self, backend: SimBackend, epoch: int) -> None:
+        self.backend = backend
+        self.epoch = epoch
+        self._plans: asyncio.Queue[api.StepPlan] = asyncio.Queue()
+        self._results: asyncio.Queue[api.StepResult | SessionLost] = asyncio.Queue()
+        self._lost: SessionLost | None = None
+        self._lost_event = asyncio.Event()
+        self._worker = asyncio.create_task(self._work(), name="kvgate-local-executor")
+
+    @property
+    def info(self) -> api.ExecutorInfo:
+        return self.backend.info
+
+    async def _work(self) -> None:
+        while True:
+            plan = await self._plans.get()
+            await self.backend.wait_released()
+            if self._lost is not None:
+                return
+            self._results.put_nowait(self.backend.execute(plan))
+
+    async def send(self, plan: api.StepPlan) -> None:
+        if self._lost is not None:
+            raise self._lost
+        # Through JSON, as on the wire: the executor sees what a real one would parse.
+        self._plans.put_nowait(api.StepPlan.model_validate_json(plan.model_dump_json()))
+
+    async def receive(self) -> api.StepResult:
+        item = await self._results.get()
+        if isinstance(item, SessionLost):
+            self._results.put_nowait(item)
+            raise item
+        return item
+
+    async def wait_lost(self) -> SessionLost:
+        await self._lost_event.wait()
+        assert self._lost is not None
+        return self._lost
+
+    def lose(self, reason: str, *, fenced: bool = False) -> None:
+        if self._lost is None:
+            self._lost = SessionLost(reason, fenced=fenced)
+            self._lost_event.set()
+            self._results.put_nowait(self._lost)
+        self._worker.cancel()
+
+    async def close(self) -> None:
+        self.lose("closed by the admission service")
+        if self.backend._current is self:
+            self.backend._current = None
+
+
+class LocalConnector:
+    """In-process sessions to simulated executors; an endpoint's last path segment names the
+    backend (``ws://local/<name>``)."""
+
+    def __init__(self, backends: dict[str, SimBackend] | None = None) -> None:
+        self.backends: dict[str, SimBackend] = dict(backends or {})
+        self.refused: set[str] = set()
+        self.connects = 0
+
+    def add(self, name: str, config: SimExecutorConfig) -> SimBackend:
+        backend = SimBackend(config)
+        self.backends[name] = backend
+        return backend
+
+    async def __call__(self, endpoint: str, epoch: int) -> LocalSession:
+        name = endpoint.rstrip("/").rsplit("/", 1)[-1]
+        backend = self.backends.get(name)
+        if backend is None or name in self.refused:
+            raise ConnectFailed(f"{endpoint}: no such executor is reachable")
+        refusal = backend.accept(epoch)
+        if refusal is not None:
+            raise SessionRefused(refusal.code, refusal.message)
+        if backend._current is not None:
+            backend._current.lose(f"session epoch {epoch} replaced this one", fenced=True)
+        self.connects += 1
+        session = LocalSession(backend, epoch)
+        backend._current = session
+        return session
+
+    def lose(self, name: str) -> None:
+        """Break the open session of ``name`` (as if the executor died)."""
+        session = self.backends[name]._current
+        if session is not None:
+            session.lose("connection reset (fault injected)")
+            self.backends[name]._current = None

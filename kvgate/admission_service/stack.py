@@ -1,0 +1,235 @@
+"""The whole system on one machine, for ``kvgate demo`` and ``kvgate run``.
+
+```
+EmbeddedBroker (Tansu, 127.0.0.1)  ◀──▶  AdmissionService (this process)  ──ws──▶  kvgate executor
+                                                                                  (child process,
+                                                                                   CPU, tiny model)
+```
+
+The tiny model is written once by ``kvgate make-tiny-model`` into the output directory and
+reused by later runs. The executor runs as a child process (it imports torch; this process
+never does). Tansu has no transactions, so the service runs at-least-once here
+(``exactly_once: off``) with the group timings Tansu needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvgate.admission_service.embedded_broker import EmbeddedBroker, EmbeddedBrokerSettings
+from kvgate.admission_service.service import AdmissionService, tune_garbage_collector
+from kvgate.admission_service.settings import ServiceSettings, load_settings
+
+log = logging.getLogger(__name__)
+
+MODEL_MARKER = "config.json"
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    out_dir: Path
+    model_dir: Path | None = None  # None: <out_dir>/model, written on first use
+    family: str = "llama"
+    num_blocks: int = 48
+    block_size: int = 16
+    host_snapshot_blocks: int = 32
+    max_num_seqs: int = 8
+    broker_port: int | None = None
+    executor_ready_timeout_s: float = 240.0
+    timeline_steps: int = 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _kvgate(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "kvgate", *argv]
+
+
+async def ensure_tiny_model(options: StackOptions) -> Path:
+    """The model directory, writing a tiny checkpoint there on first use."""
+    model_dir = options.model_dir or options.out_dir / "model"
+    if (model_dir / MODEL_MARKER).is_file():
+        return model_dir
+    log.info("writing a tiny %s model to %s", options.family, model_dir)
+    log_path = options.out_dir / "make-tiny-model.log"
+    with log_path.open("wb") as sink:
+        process = await asyncio.create_subprocess_exec(
+            *_kvgate("make-tiny-model", str(model_dir), "--family", options.family),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        code = await process.wait()
+    if code != 0:
+        raise RuntimeError(f"make-tiny-model failed ({code}); see {log_path}")
+    return model_dir
+
+
+class ExecutorProcess:
+    """``kvgate executor`` as a child process on 127.0.0.1."""
+
+    def __init__(self, options: StackOptions, model_dir: Path) -> None:
+        self.options = options
+        self.model_dir = model_dir
+        self.port = free_port()
+        self.token = secrets.token_hex(16)
+        self.log_path = options.out_dir / "executor.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/steps"
+
+    def start(self) -> None:
+        o = self.options
+        argv = _kvgate(
+            "executor", "--model", str(self.model_dir), "--host", "127.0.0.1",
+            "--port", str(self.port), "--device", "cpu", "--num-blocks", str(o.num_blocks),
+            "--block-size", str(o.block_size), "--host-snapshot-blocks",
+            str(o.host_snapshot_blocks), "--executor-id", "executor-0", "--no-calibrate",
+        )  # fmt: skip
+        env = dict(os.environ, KVGATE_EXECUTOR_TOKEN=self.token, OTEL_SDK_DISABLED="true")
+        # One torch thread: the tiny model gains nothing from more, and on a small machine
+        # shared with the service and the broker extra threads only contend (30x slower steps
+        # measured on 2 cores).
+        env.setdefault("OMP_NUM_THREADS", "1")
+        with self.log_path.open("wb") as sink:
+            # Its own session: Ctrl-C reaches only the service, which stops it in order.
+            self._process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    async def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.options.executor_ready_timeout_s
+        url = f"http://127.0.0.1:{self.port}/readyz"
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if self._process is None or self._process.poll() is not None:
+                    raise RuntimeError(f"the executor exited; see {self.log_path}")
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with http.get(url) as response:
+                        if response.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the executor was not ready in time; see {self.log_path}")
+                await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def stack_settings(
+    bootstrap: str, executor: ExecutorProcess, options: StackOptions, **overrides: Any
+) -> ServiceSettings:
+    tokenizer = executor.model_dir / "tokenizer.json"
+    values: dict[str, Any] = {
+        "kafka": {
+            "bootstrap_servers": bootstrap,
+            "partitions": 2,
+            "exactly_once": "off",  # Tansu has no transactions
+            "session_timeout_ms": 2000,
+            "heartbeat_interval_ms": 500,
+            "commit_interval_ms": 50,
+        },
+        "scheduler": {
+            "max_num_seqs": options.max_num_seqs,
+            "max_num_batched_tokens": 256,
+            "prefill_chunk_size": 64,
+        },
+        "admin": {"host": "127.0.0.1", "port": 0, "token": secrets.token_hex(16)},
+        "executors": {
+            "token": executor.token,
+            "members": [{"name": "executor-0", "endpoint": executor.endpoint}],
+            "step_timeout_s": 60,
+        },
+        "limits": {"tokenizer_file": str(tokenizer)} if tokenizer.is_file() else {},
+        "shutdown": {"grace_period_s": 5},
+    }
+    for section, changes in overrides.items():
+        values[section] = {**values.get(section, {}), **changes}
+    return load_settings(None, values)
+
+
+class LocalStack:
+    """Broker, executor and service; ``async with LocalStack(options) as stack``."""
+
+    def __init__(self, options: StackOptions, **settings_overrides: Any) -> None:
+        self.options = options
+        self._overrides = settings_overrides
+        self.broker = EmbeddedBroker(
+            EmbeddedBrokerSettings(port=options.broker_port, log_path=options.out_dir / "tansu.log")
+        )
+        self.executor: ExecutorProcess | None = None
+        self.service: AdmissionService | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return self.broker.bootstrap
+
+    async def __aenter__(self) -> LocalStack:
+        self.options.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            await self.broker.start_async()
+            model_dir = await ensure_tiny_model(self.options)
+            self.executor = ExecutorProcess(self.options, model_dir)
+            self.executor.start()
+            settings = stack_settings(
+                self.bootstrap, self.executor, self.options, **self._overrides
+            )
+            members = settings.executors.members
+            # The service joins Kafka while the executor loads; it gets the executor once the
+            # executor is ready (as the operator would push it through the admin API).
+            quiet = settings.model_copy(
+                update={"executors": settings.executors.model_copy(update={"members": []})}
+            )
+            self.service = AdmissionService(quiet, timeline_steps=self.options.timeline_steps)
+            await asyncio.gather(self.service.start(), self.executor.wait_ready())
+            assert self.service.engine is not None
+            await self.service.engine.set_members(members)
+            tune_garbage_collector()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self.service is not None:
+            await self.service.shutdown()
+            self.service = None
+        if self.executor is not None:
+            await asyncio.to_thread(self.executor.stop)
+            self.executor = None
+        self.broker.stop()

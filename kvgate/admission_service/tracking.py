@@ -1,0 +1,150 @@
+"""A request from the moment it is read until its result is out, and the results built from it.
+
+Pure: times are passed in (monotonic seconds), nothing here talks to Kafka or an executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opentelemetry.trace import Span
+
+from kvgate.admission_service.messages import (
+    FinishReason,
+    InferenceRequest,
+    InferenceResult,
+    RejectCode,
+    ResultStatus,
+    SchedulingFacts,
+    SourceRef,
+    Timings,
+    Usage,
+)
+from kvgate.admission_service.scheduler.events import FinishedEvent
+from kvgate.admission_service.scheduler.request import FinishReason as SchedulerFinish
+from kvgate.admission_service.scheduler.request import RequestSpec
+from kvgate.admission_service.scheduler.scheduler import RequestProgress
+from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.validation import RawRecord
+
+_STATUS = {
+    SchedulerFinish.STOP: ResultStatus.COMPLETED,
+    SchedulerFinish.LENGTH: ResultStatus.COMPLETED,
+    SchedulerFinish.ABORT: ResultStatus.ABORTED,
+    SchedulerFinish.DEADLINE: ResultStatus.ABORTED,
+}
+
+
+@dataclass(eq=False, slots=True)
+class Tracked:
+    """Everything the service keeps about one request it read and has not answered yet."""
+
+    request: InferenceRequest
+    spec: RequestSpec
+    source: SourceRef
+    arrival_seq: int
+    received_at: float
+    span: Span
+    record: RawRecord | None  # kept until first placed: an infeasible request is dead-lettered
+    executor: str | None = None  # where it is queued or running now
+    unplaced: bool = False  # waiting for an executor to be ready
+    executors: list[str] = field(default_factory=list)
+    blocks: int = 0  # its full-length KV need on ``executor`` (placement headroom)
+    progress: RequestProgress | None = None  # set while waiting to resume elsewhere
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    tokens_out: int = 0
+    failures: int = 0  # executors that failed while it was on them
+    handed_off: bool = False  # its partition was revoked: another instance answers it
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def traceparent(self) -> str | None:
+        return self.spec.traceparent
+
+
+def _timings(tracked: Tracked, now: float) -> Timings:
+    def since(moment: float | None) -> float | None:
+        return None if moment is None else max(0.0, moment - tracked.received_at)
+
+    return Timings(
+        queued_s=since(tracked.admitted_at),
+        time_to_first_token_s=since(tracked.first_token_at),
+        end_to_end_s=max(0.0, now - tracked.received_at),
+    )
+
+
+def finished_result(
+    tracked: Tracked, event: FinishedEvent, now: float, tokenizer: TextCodec | None
+) -> InferenceResult:
+    stats = event.stats
+    outputs = list(event.output_token_ids)
+    return InferenceResult(
+        request_id=tracked.request_id,
+        status=_STATUS[event.reason],
+        finish_reason=FinishReason(event.reason.value),
+        output_token_ids=outputs,
+        text=tokenizer.decode(outputs) if tokenizer is not None else None,
+        exit_depths=list(event.exit_depths),
+        usage=Usage(
+            prompt_tokens=len(tracked.spec.prompt_token_ids), completion_tokens=len(outputs)
+        ),
+        timings=_timings(tracked, now),
+        scheduling=SchedulingFacts(
+            preemptions=stats.preemptions,
+            restores=stats.restores,
+            restore_modes=list(stats.restore_modes),
+            bypasses=stats.bypasses,
+            recomputed_tokens=stats.recomputed_tokens,
+            executors=list(tracked.executors),
+        ),
+        source=tracked.source,
+    )
+
+
+def unfinished_result(
+    tracked: Tracked,
+    status: ResultStatus,
+    reason: str,
+    now: float,
+    *,
+    code: RejectCode | None = None,
+    finish_reason: FinishReason | None = None,
+) -> InferenceResult:
+    """A request answered without finishing: rejected at placement, failed, or aborted while
+    waiting to be placed."""
+    progress = tracked.progress
+    outputs = list(progress.output_token_ids) if progress is not None else []
+    return InferenceResult(
+        request_id=tracked.request_id,
+        status=status,
+        reason=reason,
+        reject_code=code,
+        finish_reason=finish_reason,
+        output_token_ids=outputs,
+        exit_depths=list(progress.exit_depths) if progress is not None else [],
+        usage=Usage(
+            prompt_tokens=len(tracked.spec.prompt_token_ids), completion_tokens=len(outputs)
+        ),
+        timings=_timings(tracked, now),
+        scheduling=SchedulingFacts(executors=list(tracked.executors)),
+        source=tracked.source,
+    )
+
+
+def rejected_result(
+    request_id: str, source: SourceRef, code: RejectCode, reason: str
+) -> InferenceResult:
+    """The answer to a record rejected before it was queued."""
+    return InferenceResult(
+        request_id=request_id,
+        status=ResultStatus.REJECTED,
+        reason=reason,
+        reject_code=code,
+        usage=Usage(prompt_tokens=0, completion_tokens=0),
+        timings=Timings(end_to_end_s=0.0),
+        source=source,
+    )

@@ -1,0 +1,51 @@
+"""``kvgate demo`` end to end, as CI runs it: a real broker (embedded), a real executor process
+with a tiny model, the admission service; every request answered, spans and plot written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "OTEL_"))}
+    env |= {"PYTHONPATH": str(REPO), "COLUMNS": "120"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvgate", "demo", "--requests", "12", "--out-dir", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert re.search(r"requests lost\s+│ 0 ", output), output
+    # 12 completed; rejected: one too large for the cache, one record that is not JSON.
+    assert re.search(r"requests completed\s+│ 12 / 14 ", output), output
+    assert re.search(r"requests rejected\s+│ 2 ", output), output
+    spans = [json.loads(line) for line in (tmp_path / "spans.jsonl").read_text().splitlines()]
+    requests = [s for s in spans if s["name"] == "text_completion kvgate"]
+    producers = {s["span_id"]: s for s in spans if s["kind"] == "PRODUCER"}
+    assert len(requests) == 14
+    completed = [s for s in requests if s["attributes"]["kvgate.request.status"] == "completed"]
+    assert len(completed) == 12
+    for span in completed:
+        # Each request span continues its producer's trace (traceparent in the Kafka headers).
+        assert span["parent_span_id"] in producers
+        assert producers[span["parent_span_id"]]["trace_id"] == span["trace_id"]
+        assert span["attributes"]["gen_ai.usage.output_tokens"] > 0
+    steps = [s for s in spans if s["name"] == "kvgate.step.round_trip"]
+    assert steps and all(s["links"] or not s["attributes"]["kvgate.step.admissions"] for s in steps)
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,324 @@
+"""The engine over in-process simulated executors: placement, outputs equal to the reference,
+executor loss and drain with identical outputs, aborts, hand-off, rejections at placement."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState
+from kvgate.admission_service.messages import (
+    FinishReason,
+    RejectCode,
+    ResultStatus,
+)
+
+from .helpers import (
+    make_rig,
+    reference_outputs,
+    request_body,
+    settle,
+    until,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+# Two executors whose caches cannot hold the whole workload: preemption happens.
+SMALL = {"num_blocks": 24, "block_size": 4, "host_snapshot_blocks": 16}
+
+
+def mixed_workload(count: int = 16) -> list[dict[str, object]]:
+    return [
+        request_body(
+            f"r{i:02d}", prompt_len=6 + (i * 5) % 17, max_tokens=6 + (i * 3) % 11, priority=i % 3
+        )
+        for i in range(count)
+    ]
+
+
+def outputs(rig_answers: dict[str, object]) -> dict[str, tuple[list[int], list[int]]]:
+    return {
+        rid: (r.output_token_ids, r.exit_depths)  # type: ignore[attr-defined]
+        for rid, r in rig_answers.items()
+    }
+
+
+async def test_mixed_workload_matches_reference_under_cache_pressure() -> None:
+    bodies = mixed_workload()
+    expected = await reference_outputs(bodies, block_size=4)
+    rig = make_rig()
+    await rig.add_executors("a", "b", **SMALL)
+    for body in bodies:
+        rig.submit(body)
+    await settle(rig, len(bodies))
+    try:
+        assert {r.status for r in rig.sink.answers.values()} == {ResultStatus.COMPLETED}
+        assert outputs(rig.sink.answers) == expected
+        preemptions = sum(r.scheduling.preemptions for r in rig.sink.answers.values())
+        assert preemptions > 0, "the workload must put the caches under pressure"
+        used = {r.scheduling.executors[0] for r in rig.sink.answers.values()}
+        assert used == {"a", "b"}, "placement spreads work over both executors"
+        # Every result names its source offset (effectively-once delivery depends on it).
+        assert sorted(r.source.offset for r in rig.sink.answers.values()) == list(range(16))
+    finally:
+        await rig.engine.close()
+
+
+async def test_placement_prefers_the_executor_with_more_free_capacity() -> None:
+    rig = make_rig()
+    await rig.add_executors("big", num_blocks=200)
+    await rig.add_executors("small", num_blocks=40)
+    backend_big = rig.connector.backends["big"]
+    backend_small = rig.connector.backends["small"]
+    backend_big.hold()
+    backend_small.hold()
+    try:
+        # Each request needs ceil((12 + 8 - 1) / 16) = 2 blocks at full length.
+        for i in range(6):
+            rig.submit(request_body(f"p{i}"))
+        placed = {rid: t.executor for rid, t in rig.engine._requests.items()}
+        # big: 200 free, small: 40; each placement takes 2 from the chosen one's headroom.
+        assert set(placed.values()) == {"big"}
+    finally:
+        backend_big.release()
+        backend_small.release()
+        await settle(rig, 6)
+        await rig.engine.close()
+
+
+async def test_executor_loss_resumes_elsewhere_with_identical_outputs() -> None:
+    bodies = mixed_workload(12)
+    expected = await reference_outputs(bodies, block_size=4)
+    rig = make_rig()
+    await rig.add_executors("a", "b", **SMALL)
+    backend_a = rig.connector.backends["a"]
+    backend_a.hold_after(6)  # the 6th step's result never comes back
+    for body in bodies:
+        rig.submit(body)
+    try:
+        # Lose "a" once it has produced some tokens, and keep it unreachable.
+        await until(lambda: backend_a.steps >= 6, what="steps on a")
+        started_on_a = {
+            rid
+            for rid, t in rig.engine._requests.items()
+            if t.executor == "a" and t.first_token_at is not None
+        }
+        rig.connector.refused.add("a")
+        rig.connector.lose("a")
+        await settle(rig, len(bodies))
+        assert outputs(rig.sink.answers) == expected
+        moved = {
+            r.request_id for r in rig.sink.answers.values() if r.scheduling.executors == ["a", "b"]
+        }
+        assert started_on_a & moved, "requests with tokens from a resumed on b by recompute"
+        assert rig.engine.handles["a"].state is ExecutorState.LOST
+    finally:
+        await rig.engine.close()
+
+
+async def test_lost_executor_reconnects_with_a_newer_epoch() -> None:
+    rig = make_rig()
+    await rig.add_executors("a", **SMALL)
+    backend = rig.connector.backends["a"]
+    try:
+        await until(lambda: rig.engine.handles["a"].state is ExecutorState.READY)
+        first_epoch = backend.max_epoch
+        rig.connector.lose("a")
+        await until(lambda: rig.engine.handles["a"].sessions == 2, what="reconnect")
+        assert backend.max_epoch is not None and first_epoch is not None
+        assert backend.max_epoch > first_epoch
+        rig.submit(request_body("after"))
+        await settle(rig, 1)
+        assert rig.sink.answers["after"].status is ResultStatus.COMPLETED
+    finally:
+        await rig.engine.close()
+
+
+async def test_drain_moves_work_away_and_reports_drained() -> None:
+    bodies = mixed_workload(10)
+    expected = await reference_outputs(bodies, block_size=4)
+    rig = make_rig()
+    await rig.add_executors("a", "b", **SMALL)
+    backend_a = rig.connector.backends["a"]
+    try:
+        backend_a.hold()
+        for body in bodies:
+            rig.submit(body)
+        on_a = [t for t in rig.engine._requests.values() if t.executor == "a"]
+        assert on_a
+        status = rig.engine.drain("a")
+        assert status is not None and status.state is ExecutorState.DRAINING
+        backend_a.release()
+        await until(lambda: rig.engine.handles["a"].state is ExecutorState.DRAINED, what="drained")
+        rig.submit(request_body("late"))
+        await settle(rig, len(bodies) + 1)
+        assert rig.sink.answers["late"].scheduling.executors == ["b"]
+        for tracked in on_a:
+            assert rig.sink.answers[tracked.request_id].scheduling.executors[-1] == "b"
+        del rig.sink.answers["late"]
+        assert outputs(rig.sink.answers) == expected
+        assert backend_a.executor.counters.num_requests == 0, "drained executor holds nothing"
+    finally:
+        await rig.engine.close()
+
+
+async def test_draining_the_only_executor_lets_its_work_finish_there() -> None:
+    rig = make_rig()
+    await rig.add_executors("solo", **SMALL)
+    backend = rig.connector.backends["solo"]
+    try:
+        backend.hold()
+        for i in range(3):
+            rig.submit(request_body(f"s{i}"))
+        rig.engine.drain("solo")
+        backend.release()
+        await settle(rig, 3)
+        assert {r.scheduling.executors[-1] for r in rig.sink.answers.values()} == {"solo"}
+        await until(lambda: rig.engine.handles["solo"].state is ExecutorState.DRAINED)
+    finally:
+        await rig.engine.close()
+
+
+async def test_membership_removal_moves_requests_and_new_members_connect() -> None:
+    bodies = mixed_workload(8)
+    expected = await reference_outputs(bodies, block_size=4)
+    rig = make_rig()
+    await rig.add_executors("a", "b", **SMALL)
+    try:
+        rig.connector.backends["a"].hold()
+        for body in bodies:
+            rig.submit(body)
+        rig.connector.backends["a"].release()
+        await rig.engine.set_members([ExecutorSpec(name="b", endpoint="ws://local/b")])
+        assert set(rig.engine.handles) == {"b"}
+        await settle(rig, len(bodies))
+        assert outputs(rig.sink.answers) == expected
+    finally:
+        await rig.engine.close()
+
+
+async def test_requests_wait_unplaced_until_an_executor_is_ready() -> None:
+    rig = make_rig()
+    try:
+        rig.submit(request_body("early"))
+        assert rig.engine.num_waiting == 1 and not rig.sink.answers
+        await rig.add_executors("a", **SMALL)
+        await settle(rig, 1)
+        assert rig.sink.answers["early"].status is ResultStatus.COMPLETED
+        assert rig.engine.num_waiting == 0
+    finally:
+        await rig.engine.close()
+
+
+async def test_abort_running_waiting_and_before_arrival() -> None:
+    rig = make_rig()
+    try:
+        rig.submit(request_body("waits"))  # no executor yet: unplaced
+        assert rig.engine.abort("waits")
+        assert rig.sink.answers["waits"].status is ResultStatus.ABORTED
+        assert not rig.engine.abort("later")  # remembered
+        await rig.add_executors("a", **SMALL)
+        backend = rig.connector.backends["a"]
+        backend.hold()
+        rig.submit(request_body("runs", max_tokens=40))
+        assert rig.engine.abort("runs")
+        backend.release()
+        rig.submit(request_body("later"))
+        await settle(rig, 3)
+        for rid in ("runs", "later"):
+            result = rig.sink.answers[rid]
+            assert result.status is ResultStatus.ABORTED
+            assert result.finish_reason is FinishReason.ABORT
+        await until(lambda: backend.executor.counters.num_requests == 0, what="freed")
+    finally:
+        await rig.engine.close()
+
+
+async def test_deadline_passed_is_answered_as_aborted_with_reason_deadline() -> None:
+    rig = make_rig()
+    try:
+        await rig.add_executors("a", **SMALL)
+        rig.submit(request_body("late", deadline_unix_s=1.0))
+        await settle(rig, 1)
+        result = rig.sink.answers["late"]
+        assert result.status is ResultStatus.ABORTED
+        assert result.finish_reason is FinishReason.DEADLINE
+    finally:
+        await rig.engine.close()
+
+
+async def test_infeasible_and_out_of_vocabulary_and_duplicate_are_rejected() -> None:
+    rig = make_rig()
+    try:
+        await rig.add_executors("a", **SMALL)
+        rig.connector.backends["a"].hold()
+        rig.submit(request_body("huge", prompt_len=200))  # 24 blocks of 4 hold 96 tokens
+        rig.submit(request_body("oov", prompt=[1, 2, 100_000]))
+        rig.submit(request_body("twice"))
+        rig.submit(request_body("twice"))
+        codes = {rej.request_id: rej.code for _, rej, _ in rig.sink.rejects}
+        assert codes == {
+            "huge": RejectCode.INFEASIBLE,
+            "oov": RejectCode.TOKEN_OUT_OF_VOCABULARY,
+            "twice": RejectCode.DUPLICATE,
+        }
+        for record, rejection, result in rig.sink.rejects:
+            assert result is not None and result.status is ResultStatus.REJECTED
+            assert result.source.offset == record.offset
+            assert rejection.reason
+        rig.connector.backends["a"].release()
+        await until(lambda: rig.sink.answers["twice"].status is ResultStatus.COMPLETED)
+    finally:
+        await rig.engine.close()
+
+
+async def test_revoked_partition_is_handed_off_without_answers() -> None:
+    rig = make_rig()
+    try:
+        await rig.add_executors("a", **SMALL)
+        rig.connector.backends["a"].hold()
+        rig.submit(request_body("p0"), partition=0)
+        rig.submit(request_body("p1"), partition=1)
+        assert rig.engine.drop_partition("kvgate.requests", 1) == 1
+        rig.connector.backends["a"].release()
+        await settle(rig, 1)
+        await until(lambda: rig.engine.num_tracked == 0)
+        assert set(rig.sink.answers) == {"p0"}
+    finally:
+        await rig.engine.close()
+
+
+async def test_token_stream_carries_every_token_once_in_order_across_a_loss() -> None:
+    rig = make_rig(token_stream=True)
+    try:
+        await rig.add_executors("a", "b", **SMALL)
+        for i in range(6):
+            rig.submit(request_body(f"t{i}", max_tokens=12))
+        await until(lambda: len(rig.sink.tokens) >= 10, what="some tokens")
+        rig.connector.lose("a")
+        await settle(rig, 6)
+        for rid, result in rig.sink.answers.items():
+            chunks = [c for _, c in rig.sink.tokens if c.request_id == rid]
+            assert [c.index for c in chunks] == list(range(len(result.output_token_ids)))
+            assert [c.token_id for c in chunks] == result.output_token_ids
+    finally:
+        await rig.engine.close()
+
+
+async def test_request_failing_on_too_many_executors_is_failed() -> None:
+    rig = make_rig()  # max_request_failures = 3
+    try:
+        await rig.add_executors("a", **SMALL)
+        backend = rig.connector.backends["a"]
+        backend.hold()
+        rig.submit(request_body("doomed", max_tokens=30))
+        for _ in range(3):
+            sessions = rig.engine.handles["a"].sessions
+            rig.connector.lose("a")
+            await until(lambda s=sessions: rig.engine.handles["a"].sessions > s, what="reconnect")
+        await settle(rig, 1)
+        result = rig.sink.answers["doomed"]
+        assert result.status is ResultStatus.FAILED
+        assert "executors failed" in (result.reason or "")
+    finally:
+        backend.release()
+        await rig.engine.close()

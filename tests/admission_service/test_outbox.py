@@ -1,0 +1,173 @@
+"""The outbox's commit cycles against a scripted producer: what goes into one transaction, what
+a failed or cancelled cycle leaves behind (nothing committed, nothing lost, no open
+transaction), and the plain mode's acknowledge-then-commit order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiokafka.errors import KafkaTimeoutError
+from aiokafka.structs import OffsetAndMetadata
+
+from kvgate.admission_service.delivery import PartitionLedger, decode_metadata
+from kvgate.admission_service.messages import (
+    InferenceResult,
+    ResultStatus,
+    SourceRef,
+    Timings,
+    Usage,
+)
+from kvgate.admission_service.metrics import ServiceMetrics
+from kvgate.admission_service.outbox import Outbox
+from kvgate.admission_service.settings import KafkaSettings
+
+pytestmark = pytest.mark.timeout(30)
+KAFKA = KafkaSettings(bootstrap_servers="k:1", request_topic="req", result_topic="res")
+
+
+@dataclass
+class Metadata:
+    offset: int
+
+
+@dataclass
+class ScriptedProducer:
+    """Records calls; ``commit_gate`` (when set) holds commit_transaction until it is set."""
+
+    log: list[tuple[str, Any]] = field(default_factory=list)
+    next_offset: int = 100
+    fail_commit: bool = False
+    commit_gate: asyncio.Event | None = None
+    committing: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> None:
+        self.log.append(("start", None))
+
+    async def stop(self) -> None:
+        self.log.append(("stop", None))
+
+    async def begin_transaction(self) -> None:
+        self.log.append(("begin", None))
+
+    async def send(self, topic: str, value: bytes | None, **kw: Any) -> asyncio.Future[Metadata]:
+        future: asyncio.Future[Metadata] = asyncio.get_running_loop().create_future()
+        future.set_result(Metadata(self.next_offset))
+        self.next_offset += 1
+        self.log.append(("send", (topic, kw["partition"], kw["key"])))
+        return future
+
+    async def send_offsets_to_transaction(self, offsets: dict[Any, Any], group: str) -> None:
+        self.log.append(("offsets", {tp.partition: v for tp, v in offsets.items()}))
+
+    async def commit_transaction(self) -> None:
+        self.committing.set()
+        if self.commit_gate is not None:
+            await self.commit_gate.wait()
+        if self.fail_commit:
+            raise KafkaTimeoutError()
+        self.log.append(("commit", None))
+
+    async def abort_transaction(self) -> None:
+        self.log.append(("abort", None))
+
+
+def result(request_id: str, offset: int, partition: int = 0) -> InferenceResult:
+    return InferenceResult(
+        request_id=request_id,
+        status=ResultStatus.COMPLETED,
+        usage=Usage(prompt_tokens=1, completion_tokens=1),
+        timings=Timings(end_to_end_s=0.1),
+        source=SourceRef(topic="req", partition=partition, offset=offset),
+    )
+
+
+def outbox(
+    producer: ScriptedProducer, *, transactional: bool, commits: list[Any] | None = None
+) -> Outbox:
+    async def commit_offsets(offsets: dict[Any, OffsetAndMetadata]) -> None:
+        assert commits is not None
+        commits.append({tp.partition: (o.offset, o.metadata) for tp, o in offsets.items()})
+
+    factory: Callable[[str | None], Any] = lambda _txn_id: producer  # noqa: E731
+    return Outbox(
+        KAFKA,
+        transactional=transactional,
+        producer_factory=factory,
+        commit_offsets=commit_offsets,
+        metrics=ServiceMetrics(),
+    )
+
+
+async def test_one_transaction_carries_answers_and_the_commit_point() -> None:
+    producer = ScriptedProducer()
+    box = outbox(producer, transactional=True)
+    await box.open_partition(0)
+    box.track(0, PartitionLedger(committed=0, results_end=100))
+    for offset in range(3):
+        assert not box.read(0, offset)
+    box.answer(result("a", 1), None)  # offset 1 done, 0 and 2 still running
+    await box.flush()
+    kinds = [kind for kind, _ in producer.log]
+    assert kinds == ["start", "begin", "send", "offsets", "commit"]
+    offsets = dict(producer.log)["offsets"]
+    commit_offset, metadata = offsets[0]
+    assert commit_offset == 0, "offset 0 is still running: nothing past it is committed"
+    assert decode_metadata(metadata) == 100, "the answer to 1 is findable from results 100"
+
+
+async def test_a_failed_commit_aborts_and_keeps_the_answers_for_the_next_cycle() -> None:
+    producer = ScriptedProducer(fail_commit=True)
+    box = outbox(producer, transactional=True)
+    await box.open_partition(0)
+    box.track(0, PartitionLedger(committed=0))
+    box.read(0, 0)
+    box.answer(result("a", 0), None)
+    await box.flush()
+    assert [k for k, _ in producer.log][-1] == "abort"
+    producer.fail_commit = False
+    producer.log.clear()
+    await box.flush()
+    assert [k for k, _ in producer.log] == ["begin", "send", "offsets", "commit"]
+    assert dict(producer.log)["offsets"][0][0] == 1
+
+
+async def test_a_cancelled_cycle_leaves_no_open_transaction_and_loses_nothing() -> None:
+    gate = asyncio.Event()
+    producer = ScriptedProducer(commit_gate=gate)
+    box = outbox(producer, transactional=True)
+    await box.open_partition(0)
+    box.track(0, PartitionLedger(committed=0))
+    box.read(0, 0)
+    box.answer(result("a", 0), None)
+    cycle = asyncio.create_task(box.flush())
+    await producer.committing.wait()  # the transaction holds answers and offsets, uncommitted
+    cycle.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cycle
+    assert producer.log[-1] == ("abort", None)
+    producer.commit_gate = None
+    producer.log.clear()
+    await box.flush()  # the answer goes out again, in a fresh transaction
+    assert [k for k, _ in producer.log] == ["begin", "send", "offsets", "commit"]
+
+
+async def test_plain_mode_commits_offsets_only_after_the_acks() -> None:
+    producer = ScriptedProducer()
+    commits: list[Any] = []
+    box = outbox(producer, transactional=False, commits=commits)
+    await box.start()
+    box.track(0, PartitionLedger(committed=0))
+    box.track(1, PartitionLedger(committed=5))
+    box.read(0, 0)
+    box.read(1, 5)
+    box.answer(result("a", 0), None)
+    box.answer(result("b", 5, partition=1), None)
+    await box.flush()
+    assert [k for k, _ in producer.log] == ["start", "send", "send"]
+    assert commits == [{0: (1, "kvgate/1 results_from=101"), 1: (6, "kvgate/1 results_from=102")}]
+    sends = [v for k, v in producer.log if k == "send"]
+    assert sends == [("res", 0, b"a"), ("res", 1, b"b")], "results go to the request's partition"

@@ -1,0 +1,269 @@
+"""The whole service on the embedded broker (Tansu, no transactions) with in-process simulated
+executors: consume → schedule → answer for a mixed workload with bad input, the token stream,
+aborts, backpressure, and a graceful shutdown that commits and hands off.
+
+The same behaviours against real Kafka, with real processes, transactions and crashes, are in
+tests/integration/test_admission_*.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from kvgate.admission_service.embedded_broker import EmbeddedBroker
+from kvgate.admission_service.messages import (
+    DLQ_CODE_HEADER,
+    RejectCode,
+    ResultStatus,
+    TokenChunk,
+)
+from kvgate.admission_service.service import AdmissionService
+from kvgate.admission_service.settings import ServiceSettings, load_settings
+from kvgate.admission_service.sim_executor import LocalConnector, SimExecutorConfig
+
+from .helpers import request_body, until
+from .kafka_helpers import (
+    Topics,
+    committed_offsets,
+    produce,
+    read_all,
+    read_dead_letters,
+    read_results,
+)
+
+pytestmark = pytest.mark.timeout(120)
+SIM = SimExecutorConfig(num_blocks=40, block_size=4, host_snapshot_blocks=16)
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[EmbeddedBroker]:
+    with EmbeddedBroker() as running:
+        yield running
+
+
+def settings_for(broker: EmbeddedBroker, topics: Topics, **sections: Any) -> ServiceSettings:
+    kafka = topics.kafka_settings(
+        broker.bootstrap,
+        partitions=2,
+        session_timeout_ms=2000,
+        heartbeat_interval_ms=500,
+        exactly_once="auto",
+        commit_interval_ms=50,
+        **sections.pop("kafka", {}),
+    )
+    members = [
+        {"name": n, "endpoint": f"ws://local/{n}"} for n in sections.pop("members", ["a", "b"])
+    ]
+    overrides = {
+        "kafka": kafka,
+        "executors": {"members": members, **sections.pop("executors", {})},
+        "admin": {"host": "127.0.0.1", "port": 0, "token": "t"},
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64, "prefill_chunk_size": 32},
+        **sections,
+    }
+    return load_settings(None, overrides)
+
+
+@pytest.fixture
+async def connector() -> AsyncIterator[LocalConnector]:
+    local = LocalConnector()
+    local.add("a", SIM)
+    local.add("b", SIM)
+    yield local
+
+
+async def start(settings: ServiceSettings, connector: LocalConnector) -> AdmissionService:
+    service = AdmissionService(settings, connector=connector)
+    await service.start()
+    assert not service.exactly_once, "Tansu has no transactions: the service must detect it"
+    return service
+
+
+async def test_mixed_workload_with_bad_input_and_token_stream(
+    broker: EmbeddedBroker, connector: LocalConnector
+) -> None:
+    topics = Topics.unique("mixed")
+    settings = settings_for(broker, topics, kafka={"token_topic": topics.tokens})
+    service = await start(settings, connector)
+    try:
+        good = [
+            request_body(f"g{i}", prompt_len=6 + i % 9, max_tokens=4 + i % 7, priority=i % 3)
+            for i in range(20)
+        ]
+        bad: list[dict[str, Any] | bytes] = [
+            b"{oops",
+            {"request_id": "schema-bad", "prompt": [1], "bogus": True},
+            {"request_id": "too-big", "prompt": list(range(1, 400)), "max_tokens": 4},
+            {"request_id": "g3", "prompt": [1, 2], "max_tokens": 30},  # g3 is in flight
+        ]
+        connector.backends["a"].hold()
+        connector.backends["b"].hold()
+        await produce(broker.bootstrap, topics.requests, good)
+        await until(
+            lambda: service.engine is not None and service.engine.num_tracked == 20,
+            what="all queued",
+        )
+        await produce(broker.bootstrap, topics.requests, bad)
+        # Every record read while the first g3 is still held: the second one is a duplicate.
+        await until(lambda: service.metrics.received._value.get() >= 24, what="all read")
+        connector.backends["a"].release()
+        connector.backends["b"].release()
+        results = await read_results(
+            broker.bootstrap, topics.results, 23, read_committed=False, settle_s=0.5
+        )
+        by_id: dict[str, list[Any]] = {}
+        for result in results:
+            by_id.setdefault(result.request_id, []).append(result)
+        assert all(len(v) == 1 for k, v in by_id.items() if k != "g3"), "one answer per request"
+        statuses = {k: [r.status for r in v] for k, v in by_id.items()}
+        assert sorted(statuses["g3"]) == [ResultStatus.COMPLETED, ResultStatus.REJECTED]
+        assert statuses["schema-bad"] == [ResultStatus.REJECTED]
+        assert statuses["too-big"] == [ResultStatus.REJECTED]
+        assert all(statuses[f"g{i}"][0] in (ResultStatus.COMPLETED,) for i in range(20) if i != 3)
+        rejected = {
+            r.request_id: r.reject_code for r in results if r.status is ResultStatus.REJECTED
+        }
+        assert rejected == {
+            "schema-bad": RejectCode.SCHEMA,
+            "too-big": RejectCode.INFEASIBLE,
+            "g3": RejectCode.DUPLICATE,
+        }
+        letters = await read_dead_letters(broker.bootstrap, topics.dlq, 4)
+        codes = sorted(letter.code.value for _, letter in letters)
+        assert codes == ["duplicate", "infeasible", "malformed_json", "schema"]
+        malformed = next(r for r, letter in letters if letter.code is RejectCode.MALFORMED_JSON)
+        assert malformed.value == b"{oops"  # the original bytes, untouched
+        assert dict(malformed.headers)[DLQ_CODE_HEADER] == b"malformed_json"
+        # Token stream: every completed request's tokens, in order, on its request's partition.
+        completed = [r for r in results if r.status is ResultStatus.COMPLETED]
+        chunks = await read_all(
+            broker.bootstrap,
+            topics.tokens,
+            until_count=sum(len(r.output_token_ids) for r in completed),
+        )
+        for result in completed:
+            mine = [
+                TokenChunk.model_validate_json(c.value)
+                for c in chunks
+                if c.key == result.request_id.encode()
+            ]
+            assert [c.token_id for c in mine] == result.output_token_ids
+            partitions = {c.partition for c in chunks if c.key == result.request_id.encode()}
+            assert partitions == {result.source.partition}
+    finally:
+        await service.shutdown()
+
+
+async def test_abort_topic_cancels_running_and_later_requests(
+    broker: EmbeddedBroker, connector: LocalConnector
+) -> None:
+    topics = Topics.unique("aborts")
+    service = await start(settings_for(broker, topics), connector)
+    try:
+        connector.backends["a"].hold()
+        connector.backends["b"].hold()
+        await produce(broker.bootstrap, topics.requests, [request_body("long", max_tokens=50)])
+        await until(lambda: service.engine is not None and service.engine.num_tracked == 1)
+        await produce(
+            broker.bootstrap,
+            topics.aborts,
+            [{"request_id": "long"}, {"request_id": "later"}, b"junk"],
+        )
+        await until(lambda: service.metrics.aborts._value.get() >= 2, what="aborts read")
+        connector.backends["a"].release()
+        connector.backends["b"].release()
+        await produce(
+            broker.bootstrap, topics.requests, [request_body("later"), request_body("normal")]
+        )
+        results = {
+            r.request_id: r
+            for r in await read_results(broker.bootstrap, topics.results, 3, read_committed=False)
+        }
+        assert results["long"].status is ResultStatus.ABORTED
+        assert results["later"].status is ResultStatus.ABORTED
+        assert results["normal"].status is ResultStatus.COMPLETED
+    finally:
+        await service.shutdown()
+
+
+async def test_backpressure_pauses_and_resumes_intake(
+    broker: EmbeddedBroker, connector: LocalConnector
+) -> None:
+    topics = Topics.unique("backpressure")
+    settings = settings_for(
+        broker,
+        topics,
+        limits={"max_waiting_requests": 10, "resume_waiting_requests": 4},
+        kafka={"max_poll_records": 5},
+    )
+    service = await start(settings, connector)
+    try:
+        connector.backends["a"].hold()
+        connector.backends["b"].hold()
+        await produce(
+            broker.bootstrap,
+            topics.requests,
+            [request_body(f"bp{i}", max_tokens=3) for i in range(40)],
+        )
+        intake = service.intake
+        assert intake is not None and service.engine is not None
+        await until(lambda: intake.paused, what="intake paused")
+        read_while_paused = service.engine.num_tracked
+        assert 10 <= read_while_paused < 40, "the pause must stop reading well before the end"
+        assert (
+            "kvgate_admission_paused 1.0"
+            in __import__("prometheus_client").generate_latest(service.metrics.registry).decode()
+        )
+        connector.backends["a"].release()
+        connector.backends["b"].release()
+        await until(lambda: not intake.paused, what="intake resumed")
+        results = await read_results(broker.bootstrap, topics.results, 40, read_committed=False)
+        assert len({r.request_id for r in results}) == 40
+    finally:
+        await service.shutdown()
+
+
+async def test_graceful_shutdown_commits_answers_and_hands_off_the_rest(
+    broker: EmbeddedBroker, connector: LocalConnector
+) -> None:
+    topics = Topics.unique("shutdown")
+    settings = settings_for(broker, topics, shutdown={"grace_period_s": 0.0})
+    bodies = [request_body(f"s{i}", max_tokens=6) for i in range(12)]
+    service = await start(settings, connector)
+    await produce(broker.bootstrap, topics.requests, bodies[:6])
+    first = await read_results(broker.bootstrap, topics.results, 6, read_committed=False)
+    connector.backends["a"].hold()
+    connector.backends["b"].hold()
+    await produce(broker.bootstrap, topics.requests, bodies[6:])
+    await until(
+        lambda: service.engine is not None and service.engine.num_tracked == 6,
+        what="second half queued",
+    )
+    await service.shutdown()  # grace 0: the six running ones are handed off
+    connector.backends["a"].release()
+    connector.backends["b"].release()
+    committed = await committed_offsets(broker.bootstrap, topics.group, topics.requests, 2)
+    answered = {(r.source.partition, r.source.offset) for r in first}
+    for partition, offset in committed.items():
+        below = {o for p, o in answered if p == partition}
+        assert set(range(offset)) <= below, "committed past an unanswered request"
+    # A new instance answers exactly the handed-off ones.
+    successor = await start(settings, connector)
+    try:
+        results = await read_results(
+            broker.bootstrap, topics.results, 12, read_committed=False, settle_s=1.0
+        )
+        counts: dict[str, int] = {}
+        for result in results:
+            counts[result.request_id] = counts.get(result.request_id, 0) + 1
+        assert counts == {f"s{i}": 1 for i in range(12)}
+    finally:
+        await successor.shutdown()
+    final = await committed_offsets(broker.bootstrap, topics.group, topics.requests, 2)
+    ends = {p: sum(1 for r in results if r.source.partition == p) for p in range(2)}
+    assert final == ends, "a clean shutdown commits everything answered"
+    json.dumps(final)
