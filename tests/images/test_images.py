@@ -14,8 +14,8 @@ pytestmark = pytest.mark.docker
 RUN_AS = "10001:10001"
 # What the admission image must answer. `kvgate admission-service` is not on this branch yet;
 # when it is, this becomes ["admission-service", "--help"] and nothing else changes.
-ADMISSION_CHECK = ["--help"]
-ADMISSION_EXPECTED = "usage: kvgate"
+ADMISSION_CHECK = ["admission-service", "--help"]
+ADMISSION_EXPECTED = "usage: kvgate admission-service"
 
 
 def run_locked_down(client: docker.DockerClient, image: str, command: list[str]) -> str:
@@ -56,7 +56,6 @@ def test_admission_image_runs_the_admission_service_command(
 ) -> None:
     output = run_locked_down(docker_client, admission_image.reference, ADMISSION_CHECK)
     assert ADMISSION_EXPECTED in output
-    assert "admission-service" in output or ADMISSION_CHECK == ["--help"]
 
 
 def test_operator_image_runs_the_operator_command(
