@@ -279,7 +279,17 @@ class ExecutorServer:
                     )
             if result is None or session.ws.closed:
                 return
-            await session.ws.send_str(result.model_dump_json())
+            try:
+                await session.ws.send_str(result.model_dump_json())
+            except ConnectionError:
+                # The admission service vanished mid-step (killed: its socket is reset, not
+                # closed). Its successor opens a new epoch, which resets this executor.
+                log.info(
+                    "session %s: the peer is gone; dropping step %d's result",
+                    session.session_id,
+                    result.step_id,
+                )
+                return
 
     def _execute(self, session: _Session, plan: api.StepPlan) -> api.StepResult | None:
         """On the worker thread: a fenced session's plans must not touch the new epoch's state."""
