@@ -222,10 +222,16 @@ class ExecutorServer:
             await asyncio.get_running_loop().run_in_executor(self._worker, executor.reset)
             self.metrics.sessions.labels(outcome="accepted").inc()
             self.metrics.epoch.set(opening.epoch)
+            self._report_held(executor.counters)  # the reset dropped what was held
             accepted = api.SessionAccepted(epoch=opening.epoch, info=executor.info)
             await ws.send_str(accepted.model_dump_json())
             log.info("session %s accepted at epoch %d", opening.session_id, opening.epoch)
             return session
+
+    def _report_held(self, counters: api.ExecutorCounters) -> None:
+        self.metrics.requests.set(counters.num_requests)
+        self.metrics.snapshots.set(counters.num_snapshots)
+        self.metrics.host_blocks.set(counters.host_blocks_used)
 
     async def _fence(self, session: _Session, reason: str) -> None:
         session.fenced = True

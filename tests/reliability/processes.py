@@ -7,20 +7,29 @@ the wait with the tail of its log.
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import psutil
+from pydantic import TypeAdapter
 
+from kvgate.gpu_executor import api
 from tests.integration.admission_stack import (
     EXECUTOR_TOKEN,
     Process,
     free_port,
     spawn,
     wait_http,
+)
+
+_SERVER_MESSAGE: TypeAdapter[api.SessionAccepted | api.StepResult | api.ProtocolError] = (
+    TypeAdapter(api.ServerMessage)
 )
 
 
@@ -116,3 +125,32 @@ def poll(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(0.1)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """How an executor answered a session opening: the HTTP status of the upgrade, then (when
+    it was upgraded) its first message."""
+
+    http_status: int
+    answer: api.SessionAccepted | api.StepResult | api.ProtocolError | None = None
+
+
+async def open_session(port: int, *, epoch: int, token: str | None) -> Opening:
+    """Try to open a step session on ``127.0.0.1:port`` as an admission service would."""
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession() as http:
+        try:
+            ws = await http.ws_connect(f"ws://127.0.0.1:{port}/v1/steps", headers=headers)
+        except aiohttp.WSServerHandshakeError as exc:
+            return Opening(exc.status)
+        async with ws:
+            opening = api.SessionOpen(epoch=epoch, session_id=f"probe-{epoch}")
+            await ws.send_str(opening.model_dump_json())
+            reply = await ws.receive_str(timeout=30)
+            return Opening(101, _SERVER_MESSAGE.validate_json(reply))
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())

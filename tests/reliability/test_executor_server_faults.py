@@ -1,10 +1,13 @@
-"""Regression (found by scenario 1): an admission service that dies while the executor runs its
-plan must not crash the executor's session handler.
+"""Regressions in ``kvgate executor``'s server found by the crash scenarios (1 and 2).
 
-The dead peer's socket is closing when the result is ready; sending it raised
-``ClientConnectionResetError`` out of the handler, which logged an "Error handling request"
-traceback on every admission crash and skipped the handler's clean-up (the dead session stayed
-the executor's current one). The executor must drop the result quietly and end the session.
+- An admission service that dies while the executor runs its plan: the dead peer's socket is
+  closing when the result is ready, and sending it raised ``ClientConnectionResetError`` out of
+  the session handler — an "Error handling request" traceback on every admission crash, and the
+  handler's clean-up skipped (the dead session stayed the executor's current one). The executor
+  must drop the result quietly and end the session.
+- A new session resets the executor, but its leak gauges (requests, snapshots, host blocks held)
+  kept the old session's values until the next step ran: an idle executor reported requests it
+  no longer held. They must read zero as soon as the new epoch is accepted.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -20,7 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.server import ExecutorServer
-from tests.reliability.processes import poll
+from tests.reliability.processes import parse_metrics, poll
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "peer-loss-token"
@@ -38,6 +42,13 @@ def _fill_plan() -> api.StepPlan:
             )
         ],
     )  # fmt: skip
+
+
+async def _open(client: TestClient, epoch: int) -> Any:
+    ws = await client.ws_connect("/v1/steps", headers={"Authorization": f"Bearer {TOKEN}"})
+    await ws.send_str(api.SessionOpen(epoch=epoch, session_id=f"s{epoch}").model_dump_json())
+    assert "accepted" in await ws.receive_str(timeout=10)
+    return ws
 
 
 async def test_peer_gone_while_a_plan_runs_ends_the_session_quietly(
@@ -65,9 +76,7 @@ async def test_peer_gone_while_a_plan_runs_ends_the_session_quietly(
     caplog.set_level(logging.ERROR, logger="aiohttp.server")
     try:
         await server.wait_loaded()
-        ws = await client.ws_connect("/v1/steps", headers={"Authorization": f"Bearer {TOKEN}"})
-        await ws.send_str(api.SessionOpen(epoch=1, session_id="dying").model_dump_json())
-        assert "accepted" in await ws.receive_str(timeout=10)
+        ws = await _open(client, epoch=1)
         await ws.send_str(_fill_plan().model_dump_json())
         await asyncio.to_thread(entered.wait, 30)
         session = server._session
@@ -82,4 +91,31 @@ async def test_peer_gone_while_a_plan_runs_ends_the_session_quietly(
         assert not [r for r in caplog.records if "Error handling request" in r.getMessage()]
     finally:
         release.set()
+        await client.close()
+
+
+async def test_a_new_session_zeroes_the_leak_gauges(looped_model: Path) -> None:
+    from kvgate.gpu_executor.loader import load_model
+
+    model = load_model(looped_model)
+    server = ExecutorServer(lambda: Executor(model, num_blocks=16, block_size=4), TOKEN)
+    client = TestClient(TestServer(server.app()))
+    await client.start_server()
+    held = (
+        "kvgate_executor_requests",
+        "kvgate_executor_snapshots",
+        "kvgate_executor_host_blocks_used",
+    )
+    try:
+        await server.wait_loaded()
+        first = await _open(client, epoch=1)
+        await first.send_str(_fill_plan().model_dump_json())
+        result = api.StepResult.model_validate_json(await first.receive_str(timeout=30))
+        assert result.error is None and result.counters.num_requests == 1
+        samples = parse_metrics(await (await client.get("/metrics")).text())
+        assert samples["kvgate_executor_requests"] == 1
+        await _open(client, epoch=2)  # fences the first session and resets the executor
+        samples = parse_metrics(await (await client.get("/metrics")).text())
+        assert {name: samples[name] for name in held} == dict.fromkeys(held, 0.0)
+    finally:
         await client.close()
