@@ -29,7 +29,7 @@ from tests.reliability.workloads import mixed_bodies, model_reference
 
 pytestmark = pytest.mark.timeout(420, func_only=True)
 
-EXECUTOR = {"num_blocks": 64, "block_size": 4, "host_snapshot_blocks": 24}
+EXECUTOR = {"num_blocks": 96, "block_size": 4, "host_snapshot_blocks": 24}
 
 
 def _decoding_on(service: Service, executor: RealExecutor, tokens: int) -> bool:
