@@ -79,7 +79,7 @@ class KafkaHealth:
             await self._close()  # a hung connection is not reused by the next check
             return False
         except Exception as exc:  # any failure of the check is an outage, never a crash
-            self._failed(f"{type(exc).__name__}: {exc}")
+            self._failed(str(exc) or type(exc).__name__)
             await self._close()
             return False
         self._answered()

@@ -125,6 +125,7 @@ class AdmissionService:
             commit_offsets=consumer.commit,
             metrics=self.metrics,
             crash_points=CrashPoints(),
+            on_fenced=self._fenced,
         )
         engine = Engine(
             self.engine_settings,
@@ -190,6 +191,10 @@ class AdmissionService:
         sockets = getattr(server, "sockets", None) or []
         self.admin_port = int(sockets[0].getsockname()[1]) if sockets else admin.port
         log.info("admin API on http://%s:%d", admin.host, self.admin_port)
+
+    def _fenced(self, partition: int) -> None:
+        if self.intake is not None:
+            self.intake.fenced(partition)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(work, name=f"kvgate-{name}")

@@ -46,6 +46,7 @@ class Message:
     request_id: str | None = None  # the id the service can read (body, else key), if any
     codes: frozenset[RejectCode] = frozenset()  # allowed dead-letter codes (empty: any)
     label: str = "valid"  # what kind of input this is (reports)
+    partition: int | None = None  # None: the producer's partitioner decides (by key)
 
     @classmethod
     def request(cls, body: dict[str, Any], **options: Any) -> Message:
@@ -74,7 +75,12 @@ async def send(
     await producer.start()
     try:
         pending = [
-            (m, await producer.send(topic, m.value, key=m.key, headers=list(m.headers)))
+            (
+                m,
+                await producer.send(
+                    topic, m.value, key=m.key, headers=list(m.headers), partition=m.partition
+                ),
+            )
             for m in messages
         ]
         metadata = await asyncio.gather(*(future for _, future in pending))
