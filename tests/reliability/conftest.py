@@ -26,6 +26,9 @@ from tests.integration.conftest import (  # noqa: F401 — fixtures used by name
     kafka_broker,
 )
 from tests.reliability.cluster import Cluster
+from tests.reliability.figures import Figures
+
+_FIGURES = pytest.StashKey[Figures]()
 
 FULL_ENV = "KVGATE_RELIABILITY_FULL"
 _HERE = Path(__file__).parent
@@ -71,6 +74,26 @@ def pytest_runtest_makereport(
     if isinstance(broker, ContainerKafka):
         report.sections.append(("kafka broker log (tail)", broker.logs()[-_LOG_TAIL_CHARS:]))
     return report
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_FIGURES] = Figures()
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    figures = config.stash.get(_FIGURES, None)
+    if figures is not None and figures.rows:
+        terminalreporter.section("kvgate reliability figures")
+        for line in figures.lines():
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def figures(pytestconfig: pytest.Config) -> Figures:
+    """Where a scenario records what it measured (printed at the end of the run)."""
+    return pytestconfig.stash[_FIGURES]
 
 
 @pytest.fixture
