@@ -137,7 +137,7 @@ def wrong_types(rng: random.Random, n: int, limits: Limits) -> Message:
             {"deadline_unix_s": "tomorrow"},
         ]
     )
-    key, key_id = _key(rng, rid)
+    key, _ = _key(rng, rid)
     return _bad(_json(_body(rng, rid, limits, **wrong)), key, {R.SCHEMA}, "wrong type", rid)
 
 
