@@ -13,6 +13,7 @@ version that always runs.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -103,7 +104,8 @@ def cluster(
     request: pytest.FixtureRequest,
 ) -> Iterator[Cluster]:
     """Fresh topics and a process list for one scenario; every process stops at the end."""
-    stack = Cluster(kafka_broker, tmp_path, Topics.unique(request.node.name[:40]))
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name)[:40]
+    stack = Cluster(kafka_broker, tmp_path, Topics.unique(label))
     try:
         yield stack
     finally:

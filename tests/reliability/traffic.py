@@ -59,6 +59,7 @@ class Sent:
     message: Message
     partition: int
     offset: int
+    timestamp_ms: int = -1  # the record's create time (stamped by the producer)
 
 
 async def send(
@@ -86,7 +87,10 @@ async def send(
         metadata = await asyncio.gather(*(future for _, future in pending))
     finally:
         await producer.stop()
-    return [Sent(m, md.partition, md.offset) for (m, _), md in zip(pending, metadata, strict=True)]
+    return [
+        Sent(m, md.partition, md.offset, md.timestamp)
+        for (m, _), md in zip(pending, metadata, strict=True)
+    ]
 
 
 def expected_results(sent: Sequence[Sent]) -> int:
