@@ -226,7 +226,8 @@ class Scheduler:
         self.strategy.plan_step(state, builder)
         self._report(builder)
         if builder.is_empty():
-            state.step -= 1
+            # The step still counts: residency windows and other step-measured waits must run
+            # out while nothing can be planned, or a wait on them would never end.
             if state.requests and not state.inflight:
                 state.steps_without_progress += 1  # work exists, nothing can run
             return None
