@@ -36,7 +36,7 @@ from kvgate.admission_service.scheduler.kv import Page
 from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.policy import EvictionReason
 from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
-from kvgate.admission_service.scheduler.request import Request
+from kvgate.admission_service.scheduler.request import Request, RequestStatus
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.gpu_executor.api import NewRequest
 
@@ -123,6 +123,7 @@ def start(state: SchedulerState, request: Request, plan: StartPlan, builder: Pla
         request.restored_step = state.step
         request.restore_mode = None
     request.started_step = state.step
+    request.evicted_by = None
     if request.first_admitted_step is None:
         request.first_admitted_step = state.step
     state.mark_running(request)
@@ -159,7 +160,7 @@ def admit(state: SchedulerState, builder: PlanBuilder) -> None:
 def _try_start(state: SchedulerState, request: Request, builder: PlanBuilder) -> bool:
     plan = plan_start(state, request)
     active = len(state.running)
-    headroom = state.watermark_blocks if active else 0
+    headroom = (state.watermark_blocks if active else 0) + _evictor_reserve(state, request)
     short = plan.blocks + headroom + state.owed_blocks - state.pool.num_free_blocks
     need_slot = active >= state.config.max_num_seqs
     if short > 0 or need_slot:
@@ -179,6 +180,16 @@ def _try_start(state: SchedulerState, request: Request, builder: PlanBuilder) ->
         evict_all(state, victims, request, EvictionReason.ADMISSION, builder)
     start(state, request, plan, builder)
     return True
+
+
+def _evictor_reserve(state: SchedulerState, request: Request) -> int:
+    """A request evicted for another's growth restarts only with room left for that request's
+    next page: starting in the blocks the evictor is about to need again would only end in
+    another preemption."""
+    evictor = state.requests.get(request.evicted_by) if request.evicted_by else None
+    if evictor is None or evictor.status is not RequestStatus.RUNNING:
+        return 0
+    return state.num_planes
 
 
 def _no_slot_for_anyone_behind(

@@ -123,6 +123,7 @@ def evict(
     victim.restore_mode = mode
     victim.status = RequestStatus.WAITING
     victim.evicted_step = state.step
+    victim.evicted_by = requester.request_id if reason is EvictionReason.GROWTH else None
     victim.num_preemptions += 1
     state.waiting.push(victim)
 

@@ -78,6 +78,7 @@ class Request:
     restore_mode: RestoreMode | None = None
     snapshot_pages: int = 0
     evicted_step: int | None = None
+    evicted_by: str | None = None  # the running request whose growth evicted it
     restored_step: int | None = None
     started_step: int | None = None  # last admission or restoration
     kv_tokens_lost: int = 0  # positions with complete K/V dropped by a recompute preemption

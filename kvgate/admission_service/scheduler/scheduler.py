@@ -29,6 +29,7 @@ from kvgate.admission_service.scheduler.events import (
     StepReport,
     TokenEvent,
 )
+from kvgate.admission_service.scheduler.feasibility import check_feasible
 from kvgate.admission_service.scheduler.kv import BlockPool, page_hashes
 from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.policy import admission_key, priority_class
@@ -95,7 +96,7 @@ class Scheduler:
         state = self.state
         if spec.request_id in state.requests:
             raise RequestRejected(spec.request_id, "a request with this id is already in flight")
-        self._check_feasible(spec)
+        check_feasible(self.state, spec)
         if progress is not None:
             arrival_seq = progress.arrival_seq
         seq = state.next_arrival_seq if arrival_seq is None else arrival_seq
@@ -128,55 +129,6 @@ class Scheduler:
         if spec.deadline_s is not None:
             heapq.heappush(state.deadlines, (spec.deadline_s, seq, spec.request_id))
         return request
-
-    def _check_feasible(self, spec: RequestSpec) -> None:
-        state = self.state
-        rid = spec.request_id
-        if not spec.prompt_token_ids:
-            raise RequestRejected(rid, "the prompt is empty")
-        capacity = len(spec.prompt_token_ids) + spec.sampling.max_tokens - 1
-        max_len = state.model.max_model_len
-        if max_len is not None and capacity > max_len:
-            raise RequestRejected(
-                rid,
-                f"prompt ({len(spec.prompt_token_ids)} tokens) + max_tokens "
-                f"({spec.sampling.max_tokens}) - 1 = {capacity} exceeds max_model_len ({max_len})",
-            )
-        blocks = state.pool.pages_for(capacity) * state.num_planes
-        if blocks > state.cache.num_blocks:
-            raise RequestRejected(
-                rid,
-                f"needs {blocks} KV blocks ({capacity} tokens × {state.num_planes} planes at "
-                f"block size {state.cache.block_size}) but the whole cache has "
-                f"{state.cache.num_blocks}",
-            )
-        loops = spec.loops
-        if loops.min_loops > state.num_planes:
-            raise RequestRejected(
-                rid, f"min_loops ({loops.min_loops}) exceeds the model's {state.num_planes} loops"
-            )
-        if loops.exit_trace is not None:
-            self._check_trace(spec)
-
-    def _check_trace(self, spec: RequestSpec) -> None:
-        trace = spec.loops.exit_trace or []
-        r = self.state.num_planes
-        top = min(spec.loops.max_loops or r, r)
-        if len(trace) < spec.sampling.max_tokens:
-            raise RequestRejected(
-                spec.request_id,
-                f"exit_trace has {len(trace)} depths for max_tokens {spec.sampling.max_tokens}",
-            )
-        if trace[0] != r:
-            raise RequestRejected(
-                spec.request_id, f"exit_trace[0] must be the full depth {r} (the prompt's pass)"
-            )
-        bad = [d for d in trace[1:] if not spec.loops.min_loops <= d <= top]
-        if bad:
-            raise RequestRejected(
-                spec.request_id,
-                f"exit_trace depths {bad[:4]} outside [{spec.loops.min_loops}, {top}]",
-            )
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Cancel a request; its final event comes with the next ``apply``/``pop_events``."""
@@ -274,7 +226,8 @@ class Scheduler:
         self.strategy.plan_step(state, builder)
         self._report(builder)
         if builder.is_empty():
-            state.step -= 1
+            # The step still counts: residency windows and other step-measured waits must run
+            # out while nothing can be planned, or a wait on them would never end.
             if state.requests and not state.inflight:
                 state.steps_without_progress += 1  # work exists, nothing can run
             return None
