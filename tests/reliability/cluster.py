@@ -50,12 +50,6 @@ from tests.reliability.workloads import Output
 
 Executor = SimExecutor | RealExecutor
 
-# The scheduler livelocks under cache pressure with its default residency window (reproducer
-# and diagnosis: test_scheduler_livelock.py; the fix belongs to the scheduler). Until it is fixed
-# the scenarios run without the window, so that what they measure is the stack's reaction to
-# faults, not that stall; drop this once the reproducer's strict xfail starts failing.
-SCHEDULER_WORKAROUND = {"min_residency_steps": 0}
-
 # What an idle admission service must report as zero (summed over executors).
 _SERVICE_IDLE = (
     "kvgate_admission_requests_in_flight",
@@ -116,7 +110,6 @@ class Cluster:
     def settings(self, executors: Sequence[Executor], **sections: Any) -> dict[str, Any]:
         kafka = {"health_check_interval_s": 0.5, "health_check_timeout_s": 2.0}
         sections["kafka"] = kafka | sections.get("kafka", {})
-        sections["scheduler"] = SCHEDULER_WORKAROUND | sections.get("scheduler", {})
         return service_settings(self.bootstrap, self.topics, list(executors), **sections)  # type: ignore[arg-type]
 
     def service(

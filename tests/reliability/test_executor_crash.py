@@ -29,7 +29,7 @@ from tests.reliability.workloads import mixed_bodies, model_reference
 
 pytestmark = pytest.mark.timeout(420, func_only=True)
 
-EXECUTOR = {"num_blocks": 96, "block_size": 4, "host_snapshot_blocks": 24}
+EXECUTOR = {"num_blocks": 64, "block_size": 4, "host_snapshot_blocks": 24}
 
 
 def _decoding_on(service: Service, executor: RealExecutor, tokens: int) -> bool:
@@ -49,7 +49,8 @@ def _state(service: Service, name: str) -> str:
 async def test_killed_executor_work_finishes_elsewhere_and_its_epoch_is_fenced(
     cluster: Cluster, looped_model: Path, requests: int
 ) -> None:
-    first = mixed_bodies(requests, "x", vocab_size=128, num_loops=3, max_tokens=(30, 60))
+    # At most 28 + 56 tokens: 21 pages on each of 3 planes, so every request fits one cache.
+    first = mixed_bodies(requests, "x", vocab_size=128, num_loops=3, max_tokens=(30, 56))
     second = mixed_bodies(8, "y", vocab_size=128, num_loops=3, max_tokens=(8, 16))
     reference = await asyncio.to_thread(model_reference, looped_model, first + second)
     exec_a, exec_b = cluster.real_executors("exec-a", "exec-b", model_dir=looped_model, **EXECUTOR)

@@ -65,11 +65,16 @@ class Sent:
 async def send(
     bootstrap: str, topic: str, messages: Iterable[Message], *, max_request_size: int = 1 << 21
 ) -> list[Sent]:
-    """Produce ``messages`` in order (acks=all) and return where each one landed."""
+    """Produce ``messages`` in order and return where each one landed.
+
+    The producer is idempotent, as clients should be: a send retried across a broker outage
+    (its first attempt written, the acknowledgement lost) would otherwise land twice, and the
+    second copy is rightly answered as a duplicate of the first.
+    """
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         acks="all",
-        enable_idempotence=False,
+        enable_idempotence=True,
         max_request_size=max_request_size,
         linger_ms=5,
     )
