@@ -5,14 +5,17 @@ GET  /v1/executors               -> ExecutorMembership
 PUT  /v1/executors               <- ExecutorSet      replace the membership (admin token)
 GET  /v1/executors/{name}        -> ExecutorStatus   ("drained" once a draining one is empty)
 POST /v1/executors/{name}/drain  -> ExecutorStatus   (admin token)
-GET  /healthz                    200 while the service runs its loops
-GET  /readyz                     200 once it consumes Kafka; 503 while starting or stopping
+GET  /healthz                    200 while the service runs its loops (503 once one failed)
+GET  /readyz                     200 once it consumes Kafka; 503 while starting, stopping, or
+                                 while Kafka does not answer (the body says why)
 GET  /metrics                    Prometheus text
 ```
 
 Readiness deliberately does not require a connected executor: the operator pushes the
 membership through this very API (via the pool's Service, which only routes to ready pods), so
-requiring executors would deadlock a fresh pool. Mutations need ``Authorization: Bearer
+requiring executors would deadlock a fresh pool. A Kafka outage fails readiness but not
+liveness: a restart cannot bring the broker back and would drop the work in flight (both bodies
+name the outage). Mutations need ``Authorization: Bearer
 <admin token>``; with no token configured they are refused (403). Bodies are parsed with the
 ``admin_api`` models; a bad body is answered 422 with an ``AdminError`` naming the problem.
 """
@@ -51,12 +54,14 @@ class AdminApi:
         token: str | None,
         ready: Callable[[], bool],
         healthy: Callable[[], bool],
+        outage: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._token = token.encode() if token else None
         self._ready = ready
         self._healthy = healthy
+        self._outage = outage  # why a dependency (Kafka) does not answer, else None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20)
@@ -82,11 +87,15 @@ class AdminApi:
     async def _healthz(self, _request: web.Request) -> web.Response:
         if not self._healthy():
             return web.Response(status=503, text="unhealthy\n")
-        return web.Response(text="ok\n")
+        outage = self._outage()
+        return web.Response(text="ok\n" if outage is None else f"ok ({outage})\n")
 
     async def _readyz(self, _request: web.Request) -> web.Response:
         if not self._ready():
             return web.Response(status=503, text="not ready\n")
+        outage = self._outage()
+        if outage is not None:
+            return web.Response(status=503, text=f"not ready: {outage}\n")
         return web.Response(text="ready\n")
 
     async def _metrics_text(self, _request: web.Request) -> web.Response:

@@ -14,6 +14,12 @@ On revocation of ``p``: requests read from ``p`` are cancelled here without answ
 off), one last commit cycle commits ``p`` up to its lowest unanswered offset, and ``p``'s
 producer stops — the next owner starts exactly where this one stopped answering.
 
+When ``p``'s producer is fenced while ``p`` is still assigned here (the outbox drops ``p``):
+its requests are handed off, ``p`` stops being fetched, and the group is asked to rebalance.
+Whoever gets ``p`` then — this instance included — takes it over as above. Without the
+rebalance a fence that no new owner caused (a transaction the broker timed out) would leave
+``p`` assigned here and never read again.
+
 Backpressure: all request partitions are paused while the requests waiting here (read, not yet
 running) reach ``limits.max_waiting_requests``, and resumed once they fall to the resume mark.
 Records already fetched when the pause starts are still queued, so the mark can be overshot by
@@ -119,6 +125,24 @@ class Intake:
             handed_off = self.engine.drop_partition(tp.topic, tp.partition)
             await self.outbox.close_partition(tp.partition)
             log.info("partition %d revoked (%d requests handed off)", tp.partition, handed_off)
+
+    def fenced(self, partition: int) -> None:
+        """``partition``'s producer was fenced while it is assigned here (see the module
+        docstring): hand its requests off and let the group decide who owns it."""
+        tp = TopicPartition(self.settings.kafka.request_topic, partition)
+        handed_off = self.engine.drop_partition(tp.topic, tp.partition)
+        if tp in self.consumer.assignment():
+            self.consumer.pause(tp)
+        log.warning(
+            "partition %d fenced (%d requests handed off): asking the group to rebalance",
+            partition,
+            handed_off,
+        )
+        # aiokafka has no public call for this; its coordinator rejoins (revoking and
+        # reassigning every partition) at once.
+        coordinator = getattr(self.consumer, "_coordinator", None)
+        if coordinator is not None:
+            coordinator.request_rejoin()
 
     async def assigned(self, assigned: set[TopicPartition]) -> None:
         # Nothing may be read from a partition before its ledger exists: the consumer starts

@@ -53,13 +53,17 @@ class Membership:
         return sum(h.scheduler.num_running for h in self.handles.values() if h.scheduler)
 
     def gauges(self) -> list[ExecutorGauge]:
-        return [
-            ExecutorGauge(
-                s.name, s.state.value, s.waiting_requests, s.running_requests,
-                s.kv_blocks_used, s.kv_blocks_total,
-            )
-            for s in (h.status() for h in self.handles.values())
-        ]  # fmt: skip
+        gauges = []
+        for handle in self.handles.values():
+            s = handle.status()
+            gauges.append(
+                ExecutorGauge(
+                    s.name, s.state.value, s.waiting_requests, s.running_requests,
+                    s.kv_blocks_used, s.kv_blocks_total,
+                    host_blocks_used=handle.host_blocks_used, reported=handle.reported,
+                )
+            )  # fmt: skip
+        return gauges
 
     # -------------------------------------------------------------------------- changes
     async def set(self, specs: list[ExecutorSpec]) -> None:

@@ -1,8 +1,13 @@
 """Prometheus metrics of the admission service (one registry per service instance).
 
 Counters are incremented where things happen; gauges that describe current state (queue depth,
-running requests, KV blocks, executors by state, consumer lag) are read from the live objects at
-scrape time by a collector, so they can never drift from the truth.
+running requests, KV blocks, executors by state, consumer lag, Kafka reachability) are read from
+the live objects at scrape time by a collector, so they can never drift from the truth.
+
+Leak checks read two views of every executor: what the service's scheduler accounts for
+(``kv_blocks_used``, ``host_snapshot_blocks_used``) and what the executor itself reported holding
+after its last step (``executor_held_*``, from ``StepResult.counters``). Once the service is idle
+all of them are zero; a request, block or snapshot left behind on either side shows up here.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvgate.admission_service.scheduler.events import StepReport
+from kvgate.gpu_executor.api import ExecutorCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +31,8 @@ class ExecutorGauge:
     running: int
     kv_blocks_used: int
     kv_blocks_total: int
+    host_blocks_used: int = 0  # host snapshot blocks, as the scheduler accounts them
+    reported: ExecutorCounters | None = None  # what the executor said it holds (last step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +43,8 @@ class StateSnapshot:
     executors: list[ExecutorGauge]
     consumer_lag: dict[int, int]  # request partition -> records behind the end
     paused: bool
+    in_flight: int = 0  # read and not answered yet (waiting, running or unplaced)
+    kafka_reachable: bool = True  # the last health check of Kafka succeeded
 
 
 class _StateCollector(Collector):
@@ -60,6 +70,19 @@ class _StateCollector(Collector):
             "1 for the executor's state",
             labels=["executor", "state"],
         )
+        host = GaugeMetricFamily(
+            "kvgate_admission_host_snapshot_blocks_used",
+            "host snapshot blocks held for preempted requests (scheduler accounting)",
+            labels=["executor"],
+        )
+        held = {
+            what: GaugeMetricFamily(
+                f"kvgate_admission_executor_held_{what}",
+                f"{what.replace('_', ' ')} the executor reported holding after its last step",
+                labels=["executor"],
+            )
+            for what in ("requests", "snapshots", "host_blocks")
+        }
         waiting.add_metric(["(unplaced)"], snapshot.unplaced)
         for ex in snapshot.executors:
             waiting.add_metric([ex.name], ex.waiting)
@@ -67,6 +90,11 @@ class _StateCollector(Collector):
             used.add_metric([ex.name], ex.kv_blocks_used)
             total.add_metric([ex.name], ex.kv_blocks_total)
             state.add_metric([ex.name, ex.state], 1)
+            host.add_metric([ex.name], ex.host_blocks_used)
+            if ex.reported is not None:
+                held["requests"].add_metric([ex.name], ex.reported.num_requests)
+                held["snapshots"].add_metric([ex.name], ex.reported.num_snapshots)
+                held["host_blocks"].add_metric([ex.name], ex.reported.host_blocks_used)
         queue = GaugeMetricFamily(
             "kvgate_admission_queue_depth", "requests waiting across executors and unplaced"
         )
@@ -78,7 +106,16 @@ class _StateCollector(Collector):
             lag.add_metric([str(partition)], records)
         paused = GaugeMetricFamily("kvgate_admission_paused", "1 while backpressure pauses intake")
         paused.add_metric([], 1 if snapshot.paused else 0)
+        in_flight = GaugeMetricFamily(
+            "kvgate_admission_requests_in_flight", "requests read and not answered yet"
+        )
+        in_flight.add_metric([], snapshot.in_flight)
+        kafka = GaugeMetricFamily(
+            "kvgate_admission_kafka_reachable", "1 while the last Kafka health check succeeded"
+        )
+        kafka.add_metric([], 1 if snapshot.kafka_reachable else 0)
         yield from (queue, waiting, running, used, total, state, lag, paused)
+        yield from (host, *held.values(), in_flight, kafka)
 
 
 class ServiceMetrics:
@@ -107,6 +144,10 @@ class ServiceMetrics:
         )
         self.aborts = Counter("kvgate_admission_aborts", "abort messages read", registry=r)
         self.commits = Counter("kvgate_admission_commits", "commit cycles", ["outcome"], registry=r)
+        self.kafka_outages = Counter(
+            "kvgate_admission_kafka_outages", "times Kafka stopped answering health checks",
+            registry=r,
+        )  # fmt: skip
         self.step_round_trip = Histogram(
             "kvgate_admission_step_round_trip_seconds",
             "plan sent to result received",

@@ -28,6 +28,13 @@ at-least-once (``exactly_once`` off, e.g. on Tansu; one idempotence-free produce
 
 In both modes the commit point is the lowest offset still in flight (``delivery.py``); the
 metadata records where in the results partition answers above it begin.
+
+A fenced producer (``ProducerFenced``) means this instance may no longer own the partition: a
+newer owner started a producer with its transactional id, or the broker aborted a transaction
+that outlived ``transaction_timeout_ms`` and bumped the producer's epoch — and in that second
+case no rebalance follows. The partition is dropped here (its cycle's answers are discarded,
+their offsets stay uncommitted) and ``on_fenced`` is told, so that intake hands its requests
+off and asks the group to rebalance; the group's answer decides who takes the partition over.
 """
 
 from __future__ import annotations
@@ -62,6 +69,10 @@ CommitOffsets = Callable[[dict[TopicPartition, OffsetAndMetadata]], Awaitable[No
 ProducerFactory = Callable[[str | None], AIOKafkaProducer]
 
 
+def _ignore_fencing(partition: int) -> None:
+    """The default ``on_fenced``: nothing else to tell."""
+
+
 @dataclass(frozen=True, slots=True)
 class OutRecord:
     topic: str
@@ -92,9 +103,11 @@ class Outbox:
         commit_offsets: CommitOffsets,
         metrics: ServiceMetrics,
         crash_points: CrashPoints | None = None,
+        on_fenced: Callable[[int], None] = _ignore_fencing,
     ) -> None:
         self.settings = settings
         self.transactional = transactional
+        self._on_fenced = on_fenced
         self._crash = crash_points or CrashPoints({})
         self._new_producer = producer_factory
         self._commit_offsets = commit_offsets
@@ -273,7 +286,12 @@ class Outbox:
             )
             for r in records
         ]
-        return list(await asyncio.gather(*futures))
+        # Every outcome is collected (a failed batch fails many futures; none may go unread).
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(outcomes)
 
     @staticmethod
     def _finals(pending: _Pending, sent: list[RecordMetadata]) -> dict[int, int | None]:
@@ -306,11 +324,16 @@ class Outbox:
                 self._crash.reached(BEFORE_COMMIT)
             await producer.commit_transaction()
         except ProducerFenced:
-            log.error("partition %d: another owner fenced this producer; dropping it", partition)
+            log.error(
+                "partition %d: its producer was fenced (a newer owner, or a transaction that "
+                "outlived transaction_timeout_ms); dropping the partition",
+                partition,
+            )
             self.metrics.commits.labels(outcome="fenced").inc()
             self.ledgers.pop(partition, None)
             self._num_pending -= len(pending.records)
             await self._stop_producer(partition)
+            self._on_fenced(partition)
             return
         except KafkaError as exc:
             log.warning("partition %d: transaction failed (%r); retrying", partition, exc)

@@ -44,7 +44,7 @@ from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, S
 from kvgate.admission_service.scheduler.errors import PlanRejected, SchedulerStalled
 from kvgate.admission_service.scheduler.events import RequestEvent, StepReport
 from kvgate.admission_service.scheduler.scheduler import RequestProgress, Scheduler
-from kvgate.gpu_executor.api import ExecutorInfo, StepPlan, StepResult
+from kvgate.gpu_executor.api import ExecutorCounters, ExecutorInfo, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,8 @@ class ExecutorHandle:
         self.connected = False
         self.lost_reason: str | None = None
         self.reserved_blocks = 0  # full-length KV need of the requests placed here
+        # What the executor reported holding after its last step (None: no session).
+        self.reported: ExecutorCounters | None = None
         self.sessions = 0
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -145,6 +147,11 @@ class ExecutorHandle:
     @property
     def accepts_work(self) -> bool:
         return self.state is ExecutorState.READY
+
+    @property
+    def host_blocks_used(self) -> int:
+        """Host snapshot blocks the scheduler accounts to preempted requests here."""
+        return self.scheduler.state.host_blocks_used if self.scheduler is not None else 0
 
     @property
     def headroom_blocks(self) -> int:
@@ -232,6 +239,7 @@ class ExecutorHandle:
         )
         self.connected = True
         self.lost_reason = None
+        self.reported = ExecutorCounters()  # accepting the epoch reset the executor
         self.sessions += 1
         self._evacuate = False
         self._observer.on_ready(self)
@@ -272,6 +280,7 @@ class ExecutorHandle:
         self.connected = False
         self.lost_reason = failure
         self.scheduler = None
+        self.reported = None
         if scheduler is not None:
             lifted = scheduler.evacuate(executor_alive=False)
             self._observer.on_events(self, scheduler.pop_events())
@@ -300,6 +309,7 @@ class ExecutorHandle:
                 inflight.append((plan, time.perf_counter()))
             if inflight:
                 result = await session.receive()
+                self.reported = result.counters
                 plan, sent_at = inflight.popleft()
                 events = scheduler.apply(result)
                 observer.after_apply(self, plan, result, time.perf_counter() - sent_at)

@@ -1,8 +1,8 @@
 """The admission service: wiring, start-up and the ordered shutdown.
 
 Start-up: tokenizer (if configured) → topics (created or checked) → exactly-once probe → admin
-API (health answers from here on) → producers, consumer group, abort reader → executors from
-the static membership → ready.
+API (health answers from here on) → producers, consumer group, abort reader, Kafka health
+checks → executors from the static membership → ready.
 
 Shutdown (SIGTERM):
 
@@ -34,6 +34,7 @@ from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_client import Connector, WebSocketConnector
 from kvgate.admission_service.faults import CrashPoints
 from kvgate.admission_service.intake import AbortReader, Intake, request_consumer
+from kvgate.admission_service.kafka_health import KafkaHealth
 from kvgate.admission_service.kafka_io import client_options, ensure_topics, exactly_once_enabled
 from kvgate.admission_service.metrics import ServiceMetrics, StateSnapshot
 from kvgate.admission_service.outbox import Outbox
@@ -91,6 +92,7 @@ class AdmissionService:
         )
         self._connector = connector
         self._tracer = ServiceTracer(tracer, settings.telemetry.model_name)
+        self.kafka_health = KafkaHealth(settings.kafka, self.metrics)
         self.engine: Engine | None = None
         self.intake: Intake | None = None
         self.outbox: Outbox | None = None
@@ -123,6 +125,7 @@ class AdmissionService:
             commit_offsets=consumer.commit,
             metrics=self.metrics,
             crash_points=CrashPoints(),
+            on_fenced=self._fenced,
         )
         engine = Engine(
             self.engine_settings,
@@ -152,6 +155,7 @@ class AdmissionService:
         self._spawn(self.intake.run(), "intake")
         self._outbox_task = self._spawn(self.outbox.run(), "outbox")
         self._spawn(self._aborts.run(), "aborts")
+        self._spawn(self.kafka_health.run(), "kafka-health")
         await engine.set_members(self.settings.executors.members)
         self.ready = True
 
@@ -177,6 +181,7 @@ class AdmissionService:
             token=admin.token_value(),
             ready=lambda: self.ready,
             healthy=lambda: self._failed is None,
+            outage=self.kafka_health.outage,
         )
         self._runner = web.AppRunner(api.app(), access_log=None)
         await self._runner.setup()
@@ -186,6 +191,10 @@ class AdmissionService:
         sockets = getattr(server, "sockets", None) or []
         self.admin_port = int(sockets[0].getsockname()[1]) if sockets else admin.port
         log.info("admin API on http://%s:%d", admin.host, self.admin_port)
+
+    def _fenced(self, partition: int) -> None:
+        if self.intake is not None:
+            self.intake.fenced(partition)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(work, name=f"kvgate-{name}")
@@ -217,7 +226,14 @@ class AdmissionService:
         gauges = engine.executor_gauges() if engine is not None else []
         lag = self.intake.lag() if self.intake is not None else {}
         paused = self.intake.paused if self.intake is not None else False
-        return StateSnapshot(unplaced=unplaced, executors=gauges, consumer_lag=lag, paused=paused)
+        return StateSnapshot(
+            unplaced=unplaced,
+            executors=gauges,
+            consumer_lag=lag,
+            paused=paused,
+            in_flight=engine.num_tracked if engine is not None else 0,
+            kafka_reachable=self.kafka_health.reachable,
+        )
 
     # ------------------------------------------------------------------------ shutdown
     async def shutdown(self) -> None:

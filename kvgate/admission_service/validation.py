@@ -116,6 +116,11 @@ def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Reje
         body = json.loads(value)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return Rejection(RejectCode.MALFORMED_JSON, f"not JSON: {exc}", _key_id(record))
+    except RecursionError:
+        # Hostile nesting: the parser's depth limit, not a reason to stop consuming.
+        return Rejection(
+            RejectCode.MALFORMED_JSON, "JSON nested too deeply to be read", _key_id(record)
+        )
     if not isinstance(body, dict):
         return Rejection(
             RejectCode.SCHEMA,

@@ -222,10 +222,16 @@ class ExecutorServer:
             await asyncio.get_running_loop().run_in_executor(self._worker, executor.reset)
             self.metrics.sessions.labels(outcome="accepted").inc()
             self.metrics.epoch.set(opening.epoch)
+            self._report_held(executor.counters)  # the reset dropped what was held
             accepted = api.SessionAccepted(epoch=opening.epoch, info=executor.info)
             await ws.send_str(accepted.model_dump_json())
             log.info("session %s accepted at epoch %d", opening.session_id, opening.epoch)
             return session
+
+    def _report_held(self, counters: api.ExecutorCounters) -> None:
+        self.metrics.requests.set(counters.num_requests)
+        self.metrics.snapshots.set(counters.num_snapshots)
+        self.metrics.host_blocks.set(counters.host_blocks_used)
 
     async def _fence(self, session: _Session, reason: str) -> None:
         session.fenced = True
@@ -279,7 +285,17 @@ class ExecutorServer:
                     )
             if result is None or session.ws.closed:
                 return
-            await session.ws.send_str(result.model_dump_json())
+            try:
+                await session.ws.send_str(result.model_dump_json())
+            except ConnectionError:
+                # The admission service vanished mid-step (killed: its socket is reset, not
+                # closed). Its successor opens a new epoch, which resets this executor.
+                log.info(
+                    "session %s: the peer is gone; dropping step %d's result",
+                    session.session_id,
+                    result.step_id,
+                )
+                return
 
     def _execute(self, session: _Session, plan: api.StepPlan) -> api.StepResult | None:
         """On the worker thread: a fenced session's plans must not touch the new epoch's state."""

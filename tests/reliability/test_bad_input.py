@@ -1,0 +1,121 @@
+"""Scenario 5: bad-input fuzz through the whole stack.
+
+Generated malformed and hostile records (``fuzz.py``: truncated JSON, binary garbage,
+tombstones, hostile nesting, wrong types, bad ids, unknown fields, negative and huge
+``max_tokens``, prompts over the token and the byte limits, out-of-range values, infeasible
+requests, duplicate ids, bad trace context) interleaved with valid requests, produced at once.
+Every bad record must reach the dead-letter topic with its original bytes and a reason (and a
+``rejected`` result when its id is readable), every valid one must complete with the simulated
+model's outputs, the service must keep running, and its memory must stay bounded.
+
+Tracing is on (spans written to a file): a request with a well-formed ``traceparent`` continues
+that trace, and one with a malformed header starts a trace of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvgate.admission_service.sim_executor import SimExecutorConfig
+from tests.reliability.cluster import Cluster
+from tests.reliability.figures import MIB, Figures
+from tests.reliability.fuzz import Limits, hostile_stream
+from tests.reliability.processes import rss_bytes
+from tests.reliability.traffic import Expect, Sent, expected_results, read_answers
+from tests.reliability.workloads import sim_reference
+
+pytestmark = pytest.mark.timeout(900, func_only=True)
+
+LIMITS = Limits()
+# 64 blocks of 8 tokens: every valid request fits; max_prompt_tokens + max_output_tokens does not.
+GEOMETRY = {"num_blocks": 64, "block_size": 8, "vocab_size": LIMITS.vocab_size}
+# The records go in two bursts of the same mix. The first (the warm-up) sets the heap's
+# high-water mark: a burst is fetched and queued faster than it is answered, and dead letters
+# keep their original bytes until committed, so the peak holds thousands of records at once (and
+# freed heap is kept by the allocator). The second burst must fit in that: resident memory may
+# grow only this much more. A leak — anything kept per record after it is answered — grows with
+# the record count and fails it.
+GROWTH_BOUND = 16 * MIB
+
+
+def _request_spans(path: Path) -> dict[str, dict[str, object]]:
+    spans = {}
+    for line in path.read_text().splitlines():
+        span = json.loads(line)
+        request_id = span["attributes"].get("gen_ai.response.id")
+        if span["name"].startswith("text_completion") and isinstance(request_id, str):
+            spans[request_id] = span
+    return spans
+
+
+def _check_trace_context(sent: list[Sent], spans: dict[str, dict[str, object]]) -> None:
+    for item in sent:
+        message = item.message
+        if message.label not in ("trace context", "bad trace context"):
+            continue
+        span = spans[str(message.request_id)]
+        if message.label == "bad trace context":
+            assert span["parent_span_id"] is None, f"{message.headers} became a parent"
+        else:
+            _, trace_id, span_id, _ = dict(message.headers)["traceparent"].decode().split("-")
+            assert (span["trace_id"], span["parent_span_id"]) == (trace_id, span_id)
+
+
+@pytest.mark.parametrize("total", [1500, pytest.param(12_000, marks=pytest.mark.slow, id="full")])
+async def test_hostile_records_are_dead_lettered_and_valid_ones_complete(
+    cluster: Cluster, figures: Figures, total: int
+) -> None:
+    messages, bodies = hostile_stream(total, seed=total, limits=LIMITS)
+    reference = sim_reference(bodies, SimExecutorConfig(**GEOMETRY))
+    executors = cluster.sim_executors("exec-a", "exec-b", step_time_ms=2, **GEOMETRY)
+    spans_file = cluster.log_dir / "spans.jsonl"
+    settings = cluster.settings(
+        executors,
+        limits={
+            "max_prompt_tokens": LIMITS.max_prompt_tokens,
+            "max_output_tokens": LIMITS.max_output_tokens,
+            "max_message_bytes": LIMITS.max_message_bytes,
+        },
+        telemetry={"spans_file": str(spans_file)},
+    )
+    service = cluster.service("service", settings, env={"OTEL_SDK_DISABLED": "false"})
+    rss_start = rss_bytes(service.process)
+
+    warm_up = total // 2
+    sent = await cluster.send(messages[:warm_up])
+    await read_answers(
+        cluster.bootstrap, cluster.topics.results, expected_results(sent), settle_s=0
+    )
+    rss_warm = rss_bytes(service.process)
+    await cluster.send(messages[warm_up:])
+    summary = await cluster.verify(reference, [service], executors, timeout_s=600)
+    rss_end = rss_bytes(service.process)
+
+    sent = cluster.sent
+    kinds = Counter(s.message.expect for s in sent)
+    bad, duplicates = kinds[Expect.DEAD_LETTER], kinds[Expect.COMPLETE_OR_DUPLICATE]
+    assert summary.completed == kinds[Expect.COMPLETE] + summary.duplicates_ran
+    assert summary.dead_letters["duplicate"] + summary.duplicates_ran == duplicates
+    assert sum(summary.dead_letters.values()) == bad + summary.dead_letters["duplicate"]
+    assert summary.dead_letters["duplicate"] > 0, "duplicates met their first copy in flight"
+    assert service.process.alive
+    assert rss_end - rss_warm < GROWTH_BOUND, (rss_start, rss_warm, rss_end)
+    await asyncio.to_thread(service.process.stop)  # flushes the last spans
+    _check_trace_context(sent, _request_spans(spans_file))
+    figures.record(
+        "fuzz",
+        records=len(sent),
+        bad=bad,
+        valid=kinds[Expect.COMPLETE],
+        duplicates=duplicates,
+        dead_letters=dict(summary.dead_letters),
+        duplicates_ran=summary.duplicates_ran,
+        rss_start_mib=rss_start / MIB,
+        rss_warm_mib=rss_warm / MIB,
+        rss_end_mib=rss_end / MIB,
+    )
