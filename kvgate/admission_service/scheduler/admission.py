@@ -37,6 +37,7 @@ from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.policy import EvictionReason
 from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
+from kvgate.admission_service.scheduler.reserve import GrowthReserve
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.gpu_executor.api import NewRequest
 
@@ -138,12 +139,13 @@ def _startable_now(state: SchedulerState, request: Request) -> bool:
 def admit(state: SchedulerState, builder: PlanBuilder) -> None:
     config = state.config
     limit = config.max_admission_bypasses
+    reserve = GrowthReserve(state)
     deferred: list[Request] = []
     for _ in range(config.admission_scan_limit):
         request = state.waiting.pop()
         if request is None:
             break
-        if _startable_now(state, request) and _try_start(state, request, builder):
+        if _startable_now(state, request) and _try_start(state, request, reserve, builder):
             for blocked in deferred:
                 blocked.bypasses += 1
                 builder.report.bypassed.append(blocked.request_id)
@@ -157,12 +159,17 @@ def admit(state: SchedulerState, builder: PlanBuilder) -> None:
         state.waiting.push(request)
 
 
-def _try_start(state: SchedulerState, request: Request, builder: PlanBuilder) -> bool:
+def _try_start(
+    state: SchedulerState, request: Request, reserve: GrowthReserve, builder: PlanBuilder
+) -> bool:
     plan = plan_start(state, request)
     active = len(state.running)
-    headroom = (state.watermark_blocks if active else 0) + _evictor_reserve(state, request)
-    short = plan.blocks + headroom + state.owed_blocks - state.pool.num_free_blocks
     need_slot = active >= state.config.max_num_seqs
+    if need_slot and _no_slot_for_anyone_behind(state, request, builder):
+        return False
+    headroom = (state.watermark_blocks if active else 0) + _evictor_reserve(state, request)
+    headroom += reserve.blocks_for(request)
+    short = plan.blocks + headroom + state.owed_blocks - state.pool.num_free_blocks
     if short > 0 or need_slot:
         victims = find_victims(
             state,

@@ -73,6 +73,11 @@ class RunningSet:
     def snapshot(self) -> list[Request]:
         return list(self._requests)
 
+    def between(self, low: tuple[int, ...] | None, high: tuple[int, ...]) -> list[Request]:
+        """Running requests with ``low <= key < high`` (``low`` None: from the first)."""
+        start = 0 if low is None else bisect_left(self._keys, low)
+        return self._requests[start : bisect_left(self._keys, high)]
+
     def add(self, request: Request) -> None:
         index = bisect_left(self._keys, request.key)
         self._keys.insert(index, request.key)
