@@ -6,6 +6,8 @@ for each waiting request, in admission order, at most admission_scan_limit:
            snapshot restore: its snapshot's pages; recompute restore: its first chunk)
            [+ the rest of its fill and the fill owed to running requests: fill pricing]
            + watermark headroom when other work is active
+           + the growth reserve: what running requests ahead of it may grow into within
+             growth_reserve_steps steps (reserve.py)
     if it fits, or strictly-less-important running work can free enough (checked first):
         evict that work, start it
         every request deferred earlier in this scan: bypasses += 1
@@ -18,8 +20,8 @@ deferred requests keep their place at the front of the waiting order
 With ``admission_pricing: fill`` (the default) the need also covers the rest of the request's fill
 and the fill still owed to running requests, while blocks are still claimed chunk by chunk: this
 keeps admission from stranding prompts half-way, and on the livelock suite it halved preemptions
-against ``first_chunk`` pricing at the same step count (docs/benchmarks.md). Decode growth is left
-to preemption, as in vLLM.
+against ``first_chunk`` pricing at the same step count (docs/benchmarks.md). Decode growth beyond
+the growth reserve's horizon is left to preemption, as in vLLM.
 
 A request cannot start in the step it was evicted in, nor while results of its last rows are in
 flight; it is deferred like any other (so its bypass protection still holds).
