@@ -163,6 +163,22 @@ def test_one_walk_per_scan_equals_summing_the_work_ahead_of_each_candidate() -> 
     assert reserve.blocks_for(ordered[0]) == summed(ordered[0].request_id)
 
 
+def test_a_walk_stopped_at_enough_resumes_exactly_for_the_next_candidate() -> None:
+    state = _mixed_running_state()
+    ordered = sorted(
+        (r for r in state.requests.values() if r.request_id.startswith("wait")),
+        key=lambda r: r.key,
+    )
+    exact = [GrowthReserve(state).blocks_for(r) for r in ordered]
+    assert exact[-1] > exact[1] > 0
+    reserve = GrowthReserve(state)
+    # Asked only whether it reaches 1 block: any answer of at least 1 will do.
+    assert reserve.blocks_for(ordered[1], enough=1) >= 1
+    # A generous ``enough`` is never reached: the answer is exact.
+    assert reserve.blocks_for(ordered[2], enough=exact[2] + 1) == exact[2]
+    assert reserve.blocks_for(ordered[3]) == exact[3]
+
+
 def test_no_reserve_when_turned_off_or_when_preemption_is_off() -> None:
     state = _mixed_running_state()
     candidate = state.requests["wait3"]

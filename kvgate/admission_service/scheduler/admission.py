@@ -36,7 +36,7 @@ from kvgate.admission_service.scheduler.events import AdmissionKind
 from kvgate.admission_service.scheduler.fill import Fill
 from kvgate.admission_service.scheduler.kv import Page
 from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.policy import EvictionReason
+from kvgate.admission_service.scheduler.policy import EvictionReason, past_last_victim
 from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
 from kvgate.admission_service.scheduler.reserve import GrowthReserve
@@ -170,8 +170,13 @@ def _try_start(
     if need_slot and _no_slot_for_anyone_behind(state, request, builder):
         return False
     headroom = (state.watermark_blocks if active else 0) + _evictor_reserve(state, request)
-    headroom += reserve.blocks_for(request)
     short = plan.blocks + headroom + state.owed_blocks - state.pool.num_free_blocks
+    bound = reserve.upper_bound(request)
+    if bound is None or short + bound > 0:  # else even the largest reserve fits: nothing changes
+        # With nothing it may evict, the request fits or waits: the reserve need only be summed
+        # until it exceeds the slack.
+        enough = None if _may_evict_for(state, request) else max(0, -short) + 1
+        short += reserve.blocks_for(request, enough)
     if short > 0 or need_slot:
         victims = find_victims(
             state,
@@ -189,6 +194,14 @@ def _try_start(
         evict_all(state, victims, request, EvictionReason.ADMISSION, builder)
     start(state, request, plan, builder)
     return True
+
+
+def _may_evict_for(state: SchedulerState, request: Request) -> bool:
+    """Whether any running request is one admission may evict for ``request`` (the least
+    important one runs last)."""
+    if not state.preemption_enabled or not state.running:
+        return False
+    return not past_last_victim(request, state.running.last(), EvictionReason.ADMISSION)
 
 
 def _evictor_reserve(state: SchedulerState, request: Request) -> int:
