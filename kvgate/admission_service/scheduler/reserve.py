@@ -53,7 +53,8 @@ class GrowthReserve:
         self._state = state
         self._horizon = state.config.growth_reserve_steps if state.preemption_enabled else 0
         self._asked: tuple[int, ...] | None = None  # the last candidate's key
-        self._last: tuple[int, ...] | None = None  # last runner summed: all up to it are
+        # Key of the last running request summed: every one up to it is in ``_pages``.
+        self._last: tuple[int, ...] | None = None
         self._pages = 0
 
     def upper_bound(self, request: Request) -> int | None:
