@@ -1,11 +1,13 @@
 """The livelock suite under kvgate and three other admission rules, side by side.
 
-    python benchmarks/bench_livelock.py [--json]
+    python benchmarks/bench_livelock.py [--json] [--causes] [--growth-reserve-steps K]
 
 For every case: finished requests, executor steps, preemptions, recomputed tokens and the largest
 audited bypass count, for kvgate, the seed's pre-fix and post-fix rules and a vLLM-style rule
 (benchmarks/baselines.py). Ratios are against the post-fix rule measured in the same run; cases
 where the post-fix rule did not drain are reported as such and left out of its ratios.
+``--causes`` adds kvgate's preemptions tallied by cause (benchmarks/preemption_causes.py);
+``--growth-reserve-steps`` runs kvgate with another growth reserve (0 turns it off).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.baselines import SeedPostFix, SeedPreFix, VllmStyle
+from benchmarks.preemption_causes import CauseRecorder
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy
 from kvgate.admission_service.sim.report import SimReport
 from kvgate.admission_service.sim.simulate import simulate
+from kvgate.admission_service.sim.workload import Workload
 from kvgate.admission_service.sim.workloads import livelock_suite
 
 STRATEGIES = (KvgateStrategy, SeedPreFix, SeedPostFix, VllmStyle)
@@ -34,13 +39,39 @@ def _cell(report: SimReport) -> str:
     )
 
 
+def _with_reserve(workload: Workload, steps: int | None) -> Workload:
+    if steps is None:
+        return workload
+    scheduler = workload.scheduler.model_copy(update={"growth_reserve_steps": steps})
+    return workload.model_copy(update={"scheduler": scheduler})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--causes", action="store_true", help="tally kvgate's preemptions")
+    parser.add_argument(
+        "--growth-reserve-steps", type=int, default=None, help="kvgate's growth reserve (≥ 0)"
+    )
     args = parser.parse_args()
+    if args.growth_reserve_steps is not None and args.growth_reserve_steps < 0:
+        parser.error("--growth-reserve-steps must be >= 0")
     rows = []
+    causes: dict[str, Counter[str]] = {}
+    first_token: dict[str, dict[int, list[int]]] = {}  # pricing -> priority -> steps
     for name, workload in livelock_suite():
-        reports = {s.name: simulate(workload, strategy=s(), audit=True) for s in STRATEGIES}
+        reports = {}
+        for strategy_type in STRATEGIES:
+            ours = strategy_type is KvgateStrategy
+            run_on = _with_reserve(workload, args.growth_reserve_steps) if ours else workload
+            strategy = CauseRecorder() if ours else strategy_type()
+            reports[strategy.name] = simulate(run_on, strategy=strategy, audit=True)
+            if isinstance(strategy, CauseRecorder):
+                pricing = name.split("-")[0]
+                causes.setdefault(pricing, Counter()).update(strategy.causes)
+                by_priority = first_token.setdefault(pricing, {})
+                for priority, steps in strategy.first_token_steps.values():
+                    by_priority.setdefault(priority, []).append(steps)
         rows.append((name, reports))
     if args.json:
         out = {name: {k: r.to_json() for k, r in reports.items()} for name, reports in rows}
@@ -75,6 +106,19 @@ def main() -> int:
                 f"{worse_p}; steps ratio max {max(step_ratios):.2f}, "
                 f"mean {sum(step_ratios) / len(step_ratios):.2f}"
             )
+        if args.causes:
+            print(f"  kvgate preemptions by cause ({pricing}):")
+            tally = causes.get(pricing, Counter())
+            for cause, count in sorted(tally.items(), key=lambda kv: (-kv[1], kv[0])):
+                print(f"    {count:>4}  {cause}")
+            print("  kvgate time to first token in steps, by priority (mean, p90):")
+            for priority, values in sorted(first_token.get(pricing, {}).items()):
+                ordered = sorted(values)
+                p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+                print(
+                    f"    priority {priority:>2}: {sum(values) / len(values):6.1f} {p90:>4}"
+                    f"  ({len(values)} requests)"
+                )
     return 0
 
 

@@ -1,6 +1,6 @@
 """Cost of one scheduler step at steady state: 512 running requests, a long waiting queue.
 
-    python benchmarks/bench_scheduler.py [--steps N]
+    python benchmarks/bench_scheduler.py [--steps N] [--growth-reserve-ab]
 
 Times ``schedule()`` + ``apply()`` (the executor is an instant echo, not timed) with block size
 16 and mixed prompt/output lengths, for one scheduler with 1,000 and one with 100,000 waiting
@@ -8,6 +8,10 @@ requests, stepping them alternately so that noise on a shared machine hits both 
 Prints median and p99 per step (thread CPU time, so other load on a shared machine does not
 inflate it) and the 100k/1k ratio: the scan touches at most ``admission_scan_limit`` waiting
 entries, so the cost must not grow with the queue.
+
+``--growth-reserve-ab`` instead steps two schedulers with 1,000 waiting, one with the default
+growth reserve and one with it off, and prints the ratio of their medians: what the reserve
+costs a step.
 """
 
 from __future__ import annotations
@@ -78,13 +82,16 @@ def _echo(plan: StepPlan) -> StepResult:
 class Steady:
     """A scheduler at steady state: 512 running requests in decode, ``waiting`` queued."""
 
-    def __init__(self, waiting: int) -> None:
+    def __init__(self, waiting: int, **settings: object) -> None:
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=RUNNING,
-                max_num_batched_tokens=8192,
-                prefill_chunk_size=2048,
-                preemption="recompute",
+            SchedulerConfig.model_validate(
+                {
+                    "max_num_seqs": RUNNING,
+                    "max_num_batched_tokens": 8192,
+                    "prefill_chunk_size": 2048,
+                    "preemption": "recompute",
+                    **settings,
+                }
             ),
             CacheConfig(num_blocks=RUNNING * 96, block_size=16, enable_prefix_caching=True),
             ModelShape(num_loops=1),
@@ -117,10 +124,37 @@ class Steady:
         return (mid - start) + (end - resume)
 
 
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def _growth_reserve_ab(steps: int) -> int:
+    on, off = Steady(1_000), Steady(1_000, growth_reserve_steps=0)
+    gc.collect()
+    timings: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(steps):  # alternate, so load from elsewhere hits both alike
+        timings["on"].append(on.step())
+        timings["off"].append(off.step())
+    for label, values in timings.items():
+        p99 = statistics.quantiles(values, n=100)[98] * 1e3
+        print(
+            f"growth reserve {label:>3}: schedule()+apply() median {_median_ms(values):.3f} ms, "
+            f"p99 {p99:.3f} ms over {steps} steps"
+        )
+    ratio = _median_ms(timings["on"]) / _median_ms(timings["off"])
+    print(f"ratio on/off median: {ratio:.2f}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--growth-reserve-ab", action="store_true")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2")
+    if args.growth_reserve_ab:
+        return _growth_reserve_ab(args.steps)
     small, large = Steady(1_000), Steady(100_000)
     gc.collect()
     timings: dict[int, list[float]] = {1_000: [], 100_000: []}

@@ -14,6 +14,9 @@ pure scheduler, answered by the simulated executor::
 Two fixes, each guarded here: empty steps count (the window runs out), and a request evicted for
 another's growth restarts only with room left for its evictor's next page (so it is not
 restored into the conflict at all).
+
+Both scenarios turn the growth reserve off (``growth_reserve_steps=0``): with it, r1 would not
+start beside r0 in the first place, and neither fix would be exercised.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def _run_to_the_end(min_residency_steps: int) -> int:
         prefill_chunk_size=32,
         stall_steps=64,
         min_residency_steps=min_residency_steps,
+        growth_reserve_steps=0,
     )
     scheduler = Scheduler(config, CACHE, ModelShape(num_loops=1))
     executor = SimExecutorConfig(num_blocks=CACHE.num_blocks, block_size=CACHE.block_size).build()
@@ -79,6 +83,7 @@ def test_a_residency_window_runs_out_even_while_nothing_can_be_planned() -> None
         num_blocks=4,
         block_size=1,
         min_residency_steps=4,
+        growth_reserve_steps=0,
         preemption="recompute",
         watermark_ratio=0.0,
         max_num_batched_tokens=8,

@@ -91,6 +91,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         async_scheduling=draw(st.booleans()),
         watermark_ratio=draw(st.sampled_from([0.0, 0.05, 0.2])),
         min_residency_steps=draw(st.integers(0, 4)),
+        growth_reserve_steps=draw(st.sampled_from([0, 1, 8])),
         admission_pricing=draw(st.sampled_from(list(AdmissionPricing))),
         stall_steps=128,
     )

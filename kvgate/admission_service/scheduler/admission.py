@@ -6,6 +6,8 @@ for each waiting request, in admission order, at most admission_scan_limit:
            snapshot restore: its snapshot's pages; recompute restore: its first chunk)
            [+ the rest of its fill and the fill owed to running requests: fill pricing]
            + watermark headroom when other work is active
+           + the growth reserve: what running requests ahead of it may grow into within
+             growth_reserve_steps steps (reserve.py)
     if it fits, or strictly-less-important running work can free enough (checked first):
         evict that work, start it
         every request deferred earlier in this scan: bypasses += 1
@@ -18,8 +20,8 @@ deferred requests keep their place at the front of the waiting order
 With ``admission_pricing: fill`` (the default) the need also covers the rest of the request's fill
 and the fill still owed to running requests, while blocks are still claimed chunk by chunk: this
 keeps admission from stranding prompts half-way, and on the livelock suite it halved preemptions
-against ``first_chunk`` pricing at the same step count (docs/benchmarks.md). Decode growth is left
-to preemption, as in vLLM.
+against ``first_chunk`` pricing at the same step count (docs/benchmarks.md). Decode growth beyond
+the growth reserve's horizon is left to preemption, as in vLLM.
 
 A request cannot start in the step it was evicted in, nor while results of its last rows are in
 flight; it is deferred like any other (so its bypass protection still holds).
@@ -34,9 +36,10 @@ from kvgate.admission_service.scheduler.events import AdmissionKind
 from kvgate.admission_service.scheduler.fill import Fill
 from kvgate.admission_service.scheduler.kv import Page
 from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.policy import EvictionReason
+from kvgate.admission_service.scheduler.policy import EvictionReason, past_last_victim
 from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
+from kvgate.admission_service.scheduler.reserve import GrowthReserve
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.gpu_executor.api import NewRequest
 
@@ -138,12 +141,13 @@ def _startable_now(state: SchedulerState, request: Request) -> bool:
 def admit(state: SchedulerState, builder: PlanBuilder) -> None:
     config = state.config
     limit = config.max_admission_bypasses
+    reserve = GrowthReserve(state)
     deferred: list[Request] = []
     for _ in range(config.admission_scan_limit):
         request = state.waiting.pop()
         if request is None:
             break
-        if _startable_now(state, request) and _try_start(state, request, builder):
+        if _startable_now(state, request) and _try_start(state, request, reserve, builder):
             for blocked in deferred:
                 blocked.bypasses += 1
                 builder.report.bypassed.append(blocked.request_id)
@@ -157,12 +161,22 @@ def admit(state: SchedulerState, builder: PlanBuilder) -> None:
         state.waiting.push(request)
 
 
-def _try_start(state: SchedulerState, request: Request, builder: PlanBuilder) -> bool:
+def _try_start(
+    state: SchedulerState, request: Request, reserve: GrowthReserve, builder: PlanBuilder
+) -> bool:
     plan = plan_start(state, request)
     active = len(state.running)
+    need_slot = active >= state.config.max_num_seqs
+    if need_slot and _no_slot_for_anyone_behind(state, request, builder):
+        return False
     headroom = (state.watermark_blocks if active else 0) + _evictor_reserve(state, request)
     short = plan.blocks + headroom + state.owed_blocks - state.pool.num_free_blocks
-    need_slot = active >= state.config.max_num_seqs
+    bound = reserve.upper_bound(request)
+    if bound is None or short + bound > 0:  # else even the largest reserve fits: nothing changes
+        # With nothing it may evict, the request fits or waits: the reserve need only be summed
+        # until it exceeds the slack.
+        enough = None if _may_evict_for(state, request) else max(0, -short) + 1
+        short += reserve.blocks_for(request, enough)
     if short > 0 or need_slot:
         victims = find_victims(
             state,
@@ -180,6 +194,14 @@ def _try_start(state: SchedulerState, request: Request, builder: PlanBuilder) ->
         evict_all(state, victims, request, EvictionReason.ADMISSION, builder)
     start(state, request, plan, builder)
     return True
+
+
+def _may_evict_for(state: SchedulerState, request: Request) -> bool:
+    """Whether any running request is one admission may evict for ``request`` (the least
+    important one runs last)."""
+    if not state.preemption_enabled or not state.running:
+        return False
+    return not past_last_victim(request, state.running.last(), EvictionReason.ADMISSION)
 
 
 def _evictor_reserve(state: SchedulerState, request: Request) -> int:

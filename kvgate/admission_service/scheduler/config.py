@@ -87,6 +87,9 @@ class SchedulerConfig(_Settings):
     async_scheduling: bool = False
     watermark_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.01
     min_residency_steps: Annotated[int, Field(ge=0)] = 4
+    # Admission keeps free what the running requests ahead of a candidate may grow into within
+    # this many steps, so a start is not undone by their growth (0 turns the reserve off).
+    growth_reserve_steps: Annotated[int, Field(ge=0)] = 8
     stall_steps: Annotated[int, Field(ge=1)] = 256
     max_prefill_steps_before_decode: Annotated[int, Field(ge=1)] = 1
     # auto restore-mode cost model: seconds to move one block to host and back, and seconds of

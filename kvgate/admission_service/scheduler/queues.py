@@ -8,7 +8,7 @@ cost does not grow with the length of the waiting queue: popping and pushing bac
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
@@ -70,8 +70,24 @@ class RunningSet:
     def __reversed__(self) -> Iterator[Request]:
         return reversed(self._requests)
 
+    def count_below(self, key: tuple[int, ...]) -> int:
+        """How many running requests come before ``key`` in admission order."""
+        return bisect_left(self._keys, key)
+
+    def last(self) -> Request:
+        """The least important running request (the first in victim order)."""
+        return self._requests[-1]
+
     def snapshot(self) -> list[Request]:
         return list(self._requests)
+
+    def between(self, after: tuple[int, ...] | None, before: tuple[int, ...]) -> Iterator[Request]:
+        """Running requests with ``after < key < before`` in order (``after`` None: from the
+        first). The set must not change while this is iterated."""
+        start = 0 if after is None else bisect_right(self._keys, after)
+        requests = self._requests
+        for index in range(start, bisect_left(self._keys, before)):
+            yield requests[index]
 
     def add(self, request: Request) -> None:
         index = bisect_left(self._keys, request.key)
