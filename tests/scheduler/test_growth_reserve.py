@@ -12,11 +12,9 @@ from kvgate.admission_service.scheduler.state import SchedulerState
 from tests.scheduler.harness import Rig
 
 
-def _preemptions_and_start(growth_reserve_steps: int) -> tuple[list[tuple[str, str]], int]:
-    """'high' decodes towards 6 of the 7 pages; 'low' (behind it) arrives while 'high' holds 2.
-
-    Returns the (victim, requester) pairs and the step 'low' first started in."""
-    rig = Rig(
+def _tight_rig(growth_reserve_steps: int) -> Rig:
+    """7 pages of 2 tokens, recompute only: one request decoding to 12 tokens takes 6 of them."""
+    return Rig(
         num_blocks=7,
         block_size=2,
         watermark_ratio=0.0,
@@ -26,6 +24,13 @@ def _preemptions_and_start(growth_reserve_steps: int) -> tuple[list[tuple[str, s
         preemption="recompute",
         growth_reserve_steps=growth_reserve_steps,
     )
+
+
+def _preemptions_and_start(growth_reserve_steps: int) -> tuple[list[tuple[str, str]], int]:
+    """'high' decodes towards 6 of the 7 pages; 'low' (behind it) arrives while 'high' holds 2.
+
+    Returns the (victim, requester) pairs and the step 'low' first started in."""
+    rig = _tight_rig(growth_reserve_steps)
     rig.add("high", prompt_len=4, max_tokens=9, priority=0)  # capacity 12 tokens: 6 pages
     rig.step()
     rig.add("low", prompt_len=4, max_tokens=8, priority=5)  # fill 2 pages, capacity 6
@@ -53,16 +58,7 @@ def test_a_start_waits_rather_than_being_undone_by_the_growth_of_work_ahead() ->
 def test_work_behind_the_candidate_reserves_nothing() -> None:
     """An important arrival is not held back (nor made to evict) for the growth of less
     important running work: that work is the growth victim, not the arrival."""
-    rig = Rig(
-        num_blocks=7,
-        block_size=2,
-        watermark_ratio=0.0,
-        max_num_seqs=4,
-        prefill_chunk_size=4,
-        max_num_batched_tokens=8,
-        preemption="recompute",
-        growth_reserve_steps=8,
-    )
+    rig = _tight_rig(growth_reserve_steps=8)
     rig.add("low", prompt_len=4, max_tokens=9, priority=5)  # will want 6 of the 7 pages
     rig.step()
     state = rig.scheduler.state
