@@ -32,6 +32,7 @@ from kvgate.operator.naming import step_endpoint
 from tests.admission_service.kafka_helpers import produce, read_results
 from tests.operator.admin_proxy import JournalingProxy
 from tests.operator.cluster import Cluster, pool_manifest
+from tests.operator.conftest import admin_token
 from tests.operator.test_operator_behaviour import deleted_at, operator_writes
 
 pytestmark = pytest.mark.timeout(90)
@@ -74,6 +75,16 @@ async def membership(cluster: ServiceCluster) -> ExecutorMembership:
     ):
         assert response.status == 200, await response.text()
         return ExecutorMembership.model_validate_json(await response.text())
+
+
+async def put_membership(cluster: ServiceCluster, body: dict[str, Any], token: str) -> int:
+    assert cluster.admin.upstream is not None
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.put(cluster.admin.upstream + "/v1/executors", json=body, headers=headers) as response,
+    ):
+        return response.status
 
 
 async def poll_service(
@@ -143,6 +154,14 @@ async def test_membership_in_the_service_is_the_ready_executors(
     assert {e["name"]: e["endpoint"] for e in cluster.status()["executors"]} == pod_endpoints(
         cluster
     )
+
+    # Its admin token is the one in the pool's Secret: the same membership, put with that token,
+    # is accepted; with another it is refused.
+    body = {"executors": [{"name": e.name, "endpoint": e.endpoint} for e in current.executors]}
+    secret_token = admin_token(cluster.api, "pool")
+    assert secret_token
+    assert await put_membership(cluster, body, secret_token) == 200
+    assert await put_membership(cluster, body, secret_token + "x") == 401
 
     # It serves: a request produced to the pool's topic comes back completed.
     await produce(broker.bootstrap, topics["requests"], requests("hello", 2, max_tokens=4))
