@@ -1,8 +1,10 @@
 """The world an operator behaviour test runs in: an API server, a kubelet, an admission service.
 
-``Cluster`` bundles the Kubernetes emulator (``kube_emulator``), the fake admin API
-(``fake_admin``) and a ``Kubelet`` that plays the node: it gives new pods an IP and marks them
-Running and Ready, unless a test takes a pod over to fail it or hold it back.
+``Cluster`` bundles the Kubernetes emulator (``kube_emulator``), the admin API the operator
+calls (the fake one in ``fake_admin``, or the proxy in front of a real admission service in
+``admin_proxy``) and a ``Kubelet`` that plays the node: it gives new pods an IP and marks them
+Running and Ready, unless a test takes a pod over to fail it or hold it back
+(``pod_processes.ProcessKubelet`` runs each executor pod as a process instead).
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from tests.operator.fake_admin import FakeAdminApi
 from tests.operator.kube_emulator import KubeEmulator, until
 
 NAMESPACE = "default"
 POOLS = "kvgate.dev/v1alpha1/executorpools"
 MERGE = {"Content-Type": "application/merge-patch+json"}
+AdminT = TypeVar("AdminT")
 
 
 def pool_manifest(name: str = "pool", **spec: Any) -> dict[str, Any]:
@@ -91,9 +93,9 @@ class Kubelet:
 
 
 @dataclass
-class Cluster:
+class Cluster(Generic[AdminT]):
     api: KubeEmulator
-    admin: FakeAdminApi
+    admin: AdminT  # FakeAdminApi or JournalingProxy: journal, calls()
     kubelet: Kubelet
 
     # --- the user's side ----------------------------------------------------------------------

@@ -1,0 +1,298 @@
+"""The real operator with a real admission service: membership, drains and rolling updates.
+
+The world of ``test_operator_behaviour.py``, with the fake admin API replaced
+(``service_cluster`` in conftest): the admission service is a ``kvgate admission-service``
+process started from the operator's own Deployment, ConfigMap and admin-token Secret, on the
+embedded Kafka-compatible broker; each executor pod is a ``kvgate sim-executor`` process on a
+loopback address of its own, whose steps take 40 ms. The operator reaches the service through a
+journaling proxy, so its admin calls and the service's answers are ordered against the API
+server's journal.
+
+The tests produce requests to the pool's request topic and read its result topic: work is on
+the executors while the operator drains and replaces them, and every request must come back
+completed exactly once. Timeouts and an unavailable admin API stay with the fake (a real
+service cannot be made to misbehave on cue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import pytest
+from kopf.testing import KopfRunner
+
+from kvgate.admission_service.admin_api import ExecutorMembership, ExecutorState
+from kvgate.admission_service.embedded_broker import EmbeddedBroker
+from kvgate.admission_service.messages import InferenceResult, ResultStatus
+from kvgate.operator.naming import step_endpoint
+from tests.admission_service.kafka_helpers import produce, read_results
+from tests.operator.admin_proxy import JournalingProxy
+from tests.operator.cluster import Cluster, pool_manifest
+from tests.operator.conftest import admin_token
+from tests.operator.test_operator_behaviour import deleted_at, operator_writes
+
+pytestmark = pytest.mark.timeout(90)
+ServiceCluster = Cluster[JournalingProxy]
+
+
+@pytest.fixture
+def cluster(service_cluster: ServiceCluster) -> ServiceCluster:
+    """The ``operator`` fixture runs the operator in this world."""
+    return service_cluster
+
+
+@pytest.fixture
+def topics() -> dict[str, str]:
+    base = f"op{uuid.uuid4().hex[:8]}"
+    return {
+        "requests": f"{base}.requests",
+        "results": f"{base}.results",
+        "aborts": f"{base}.aborts",
+        "deadLetter": f"{base}.dlq",
+    }
+
+
+def service_pool(broker: EmbeddedBroker, topics: dict[str, str], **spec: Any) -> dict[str, Any]:
+    kafka = {
+        "bootstrapServers": broker.bootstrap,
+        "topics": topics,
+        "groupId": f"{topics['requests']}-group",
+        "createTopics": True,
+    }
+    return pool_manifest(kafka=kafka, **spec)
+
+
+async def membership(cluster: ServiceCluster) -> ExecutorMembership:
+    """What the service itself says (asked directly, not through the operator's journal)."""
+    assert cluster.admin.upstream is not None
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(cluster.admin.upstream + "/v1/executors") as response,
+    ):
+        assert response.status == 200, await response.text()
+        return ExecutorMembership.model_validate_json(await response.text())
+
+
+async def put_membership(cluster: ServiceCluster, body: dict[str, Any], token: str) -> int:
+    assert cluster.admin.upstream is not None
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.put(cluster.admin.upstream + "/v1/executors", json=body, headers=headers) as response,
+    ):
+        return response.status
+
+
+async def poll_service(
+    cluster: ServiceCluster, predicate: Any, *, within_s: float = 30.0
+) -> ExecutorMembership:
+    """Until ``predicate(membership)`` holds; the last membership read."""
+    deadline = time.monotonic() + within_s
+    while True:
+        current = await membership(cluster)
+        if predicate(current):
+            return current
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached in {within_s:.0f} s: {current}")
+        await asyncio.sleep(0.05)
+
+
+def pod_endpoints(cluster: ServiceCluster) -> dict[str, str]:
+    return {
+        name: step_endpoint(pod["status"]["podIP"])
+        for name, pod in cluster.pods().items()
+        if pod.get("status", {}).get("podIP")
+    }
+
+
+def requests(prefix: str, count: int, max_tokens: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "request_id": f"{prefix}-{i}",
+            "prompt": [(7 * i + j) % 400 + 1 for j in range(24)],
+            "max_tokens": max_tokens,
+            "sampling": {"ignore_eos": True, "seed": 1},
+        }
+        for i in range(count)
+    ]
+
+
+async def results_once(
+    broker: EmbeddedBroker, topic: str, request_ids: set[str]
+) -> list[InferenceResult]:
+    """The results of ``request_ids``: each exactly once, completed at full length."""
+    results = await read_results(broker.bootstrap, topic, len(request_ids), settle_s=1.0)
+    assert sorted(r.request_id for r in results) == sorted(request_ids)  # none twice, none lost
+    for result in results:
+        assert result.status is ResultStatus.COMPLETED, result
+    return results
+
+
+async def test_membership_in_the_service_is_the_ready_executors(
+    cluster: ServiceCluster,
+    operator: KopfRunner,
+    broker: EmbeddedBroker,
+    topics: dict[str, str],
+) -> None:
+    await cluster.create(service_pool(broker, topics, replicas=2))
+    await cluster.wait_for(cluster.ready, within_s=60)
+
+    # The service accepted the operator's PUT (with the token from the pool's Secret) and holds
+    # a live session to each executor: state ready, cache size from the executor's handshake.
+    current = await poll_service(
+        cluster, lambda m: [e.state for e in m.executors] == [ExecutorState.READY] * 2
+    )
+    assert {e.name: e.endpoint for e in current.executors} == pod_endpoints(cluster)
+    assert sorted(pod_endpoints(cluster)) == ["pool-0", "pool-1"]
+    assert all(e.kv_blocks_total == 128 for e in current.executors)
+    assert cluster.admin.calls("PUT", "/v1/executors")
+    assert not [c for c in cluster.admin.journal if c.status in (401, 403, 422)]
+    assert {e["name"]: e["endpoint"] for e in cluster.status()["executors"]} == pod_endpoints(
+        cluster
+    )
+
+    # Its admin token is the one in the pool's Secret: the same membership, put with that token,
+    # is accepted; with another it is refused.
+    body = {"executors": [{"name": e.name, "endpoint": e.endpoint} for e in current.executors]}
+    secret_token = admin_token(cluster.api, "pool")
+    assert secret_token
+    assert await put_membership(cluster, body, secret_token) == 200
+    assert await put_membership(cluster, body, secret_token + "x") == 401
+
+    # It serves: a request produced to the pool's topic comes back completed.
+    await produce(broker.bootstrap, topics["requests"], requests("hello", 2, max_tokens=4))
+    await results_once(broker, topics["results"], {"hello-0", "hello-1"})
+
+
+async def test_scale_down_drains_an_executor_that_holds_work(
+    cluster: ServiceCluster,
+    operator: KopfRunner,
+    broker: EmbeddedBroker,
+    topics: dict[str, str],
+) -> None:
+    await cluster.create(service_pool(broker, topics, replicas=3))
+    await cluster.wait_for(cluster.ready, within_s=60)
+    await poll_service(
+        cluster, lambda m: [e.state for e in m.executors] == [ExecutorState.READY] * 3
+    )
+    # About 120 steps of 40 ms each: far longer than the operator takes to drain.
+    produced = requests("drain", 12, max_tokens=120)
+    await produce(broker.bootstrap, topics["requests"], produced)
+
+    def pool_2_busy(m: ExecutorMembership) -> bool:
+        return any(e.name == "pool-2" and e.running_requests > 0 for e in m.executors)
+
+    await poll_service(cluster, pool_2_busy)
+    await cluster.patch_spec("pool", {"replicas": 2})
+    await cluster.wait_for(lambda: "pool-2" not in cluster.pods() and cluster.ready(), 60)
+
+    [drain] = cluster.admin.calls("POST", "/v1/executors/pool-2/drain")
+    assert drain.answer["state"] == ExecutorState.DRAINING
+    assert drain.answer["running_requests"] + drain.answer["waiting_requests"] > 0
+    drained = cluster.admin.first_reported("pool-2", ExecutorState.DRAINED)
+    assert drained is not None, "the service never reported pool-2 drained"
+    # Drain, the service's "drained", the membership without it, and only then the delete.
+    assert drain.seq < drained < deleted_at(cluster, "pool-2")
+    leave = [
+        c.seq
+        for c in cluster.admin.calls("PUT", "/v1/executors")
+        if c.seq > drain.seq and [e["name"] for e in c.body["executors"]] == ["pool-0", "pool-1"]
+    ]
+    assert leave, "pool-2 never left the membership"
+    assert drained < leave[0] < deleted_at(cluster, "pool-2")
+    assert cluster.condition("Draining")["reason"] == "Drained"
+    assert [name for _, name in operator_writes(cluster, "DELETE", "pods")] == ["pool-2"]
+    current = await membership(cluster)
+    assert sorted(e.name for e in current.executors) == ["pool-0", "pool-1"]
+
+    results = await results_once(broker, topics["results"], {r["request_id"] for r in produced})
+    moved = [r for r in results if "pool-2" in r.scheduling.executors]
+    assert moved, "no request ran on pool-2"
+    # What pool-2 held was lifted off it and finished on the executors that stay.
+    for result in moved:
+        assert result.scheduling.executors[-1] in ("pool-0", "pool-1"), result.scheduling
+        assert len(result.output_token_ids) == 120
+
+
+async def test_scale_to_zero_waits_for_the_work_to_finish_in_place(
+    cluster: ServiceCluster,
+    operator: KopfRunner,
+    broker: EmbeddedBroker,
+    topics: dict[str, str],
+) -> None:
+    """With nowhere to move it, a drained executor's work finishes where it is: the operator
+    keeps the pod until the service reports it drained, however long that takes."""
+    await cluster.create(service_pool(broker, topics, replicas=1))
+    await cluster.wait_for(cluster.ready, within_s=60)
+    await poll_service(cluster, lambda m: [e.state for e in m.executors] == [ExecutorState.READY])
+    produced = requests("zero", 4, max_tokens=100)
+    await produce(broker.bootstrap, topics["requests"], produced)
+    await poll_service(cluster, lambda m: m.executors[0].running_requests == 4)
+    await cluster.patch_spec("pool", {"replicas": 0})
+
+    await cluster.wait_for(lambda: cluster.admin.calls("POST", "/v1/executors/pool-0/drain"))
+    await cluster.wait_for(lambda: cluster.condition("Draining").get("status") == "True")
+    # The operator has seen it draining, and the executor still serves its four requests.
+    [status] = (await membership(cluster)).executors
+    assert (status.state, status.running_requests) == (ExecutorState.DRAINING, 4)
+    assert "pool-0" in cluster.pods()
+
+    await cluster.wait_for(lambda: "pool-0" not in cluster.pods(), within_s=60)
+    [drain] = cluster.admin.calls("POST", "/v1/executors/pool-0/drain")
+    drained = cluster.admin.first_reported("pool-0", ExecutorState.DRAINED)
+    assert drained is not None, "the service never reported pool-0 drained"
+    assert drain.seq < drained < deleted_at(cluster, "pool-0")
+    await cluster.wait_for(lambda: cluster.condition("Draining").get("reason") == "Drained")
+    results = await results_once(broker, topics["results"], {r["request_id"] for r in produced})
+    assert all(r.scheduling.executors == ["pool-0"] for r in results)
+
+
+async def test_rolling_update_with_work_in_flight(
+    cluster: ServiceCluster,
+    operator: KopfRunner,
+    broker: EmbeddedBroker,
+    topics: dict[str, str],
+) -> None:
+    await cluster.create(service_pool(broker, topics, replicas=2))
+    await cluster.wait_for(cluster.ready, within_s=60)
+    old_endpoints = pod_endpoints(cluster)
+    produced = requests("roll", 8, max_tokens=100)
+    await produce(broker.bootstrap, topics["requests"], produced)
+    await poll_service(cluster, lambda m: sum(e.running_requests for e in m.executors) > 0)
+    await cluster.patch_spec("pool", {"image": "registry.example/kvgate-executor:2"})
+
+    def updated() -> bool:
+        return cluster.ready() and all(
+            p["spec"]["containers"][0]["image"].endswith(":2") for p in cluster.pods().values()
+        )
+
+    await cluster.wait_for(updated, within_s=60)
+    # One executor at a time, highest slot first: drained, deleted, recreated, then the next.
+    first_drain = cluster.admin.calls("POST")[0].seq
+    order = sorted(
+        [(c.seq, "drain", c.path.split("/")[3]) for c in cluster.admin.calls("POST")]
+        + [(seq, "delete", name) for seq, name in operator_writes(cluster, "DELETE", "pods")]
+        + [
+            (seq, "create", name)
+            for seq, name in operator_writes(cluster, "POST", "pods")
+            if seq > first_drain
+        ]
+    )
+    assert [(action, name) for _, action, name in order] == [
+        (action, name) for name in ("pool-1", "pool-0") for action in ("drain", "delete", "create")
+    ]
+    for name in ("pool-1", "pool-0"):
+        drained = cluster.admin.first_reported(name, ExecutorState.DRAINED)
+        assert drained is not None and drained < deleted_at(cluster, name)
+    # The service runs the new executors (new addresses), in live sessions.
+    current = await poll_service(
+        cluster, lambda m: [e.state for e in m.executors] == [ExecutorState.READY] * 2
+    )
+    assert {e.name: e.endpoint for e in current.executors} == pod_endpoints(cluster)
+    assert set(pod_endpoints(cluster).values()).isdisjoint(old_endpoints.values())
+
+    await results_once(broker, topics["results"], {r["request_id"] for r in produced})
