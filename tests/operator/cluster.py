@@ -10,12 +10,14 @@ Running and Ready, unless a test takes a pod over to fail it or hold it back
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from kvgate.operator.naming import ADMIN_TOKEN_KEY, admin_token_secret_name
 from tests.operator.kube_emulator import KubeEmulator, until
 
 NAMESPACE = "default"
@@ -146,3 +148,27 @@ class Cluster(Generic[AdminT]):
     async def wait_for(self, predicate: Callable[[], object], within_s: float = 15.0) -> None:
         """Until ``predicate()`` holds; re-checked after every API write or admin call."""
         await until(self.api.changed, predicate, within_s=within_s)
+
+
+def admin_token(api: KubeEmulator, pool: str) -> str | None:
+    """The admin token the operator created for ``pool`` (what its admission pod mounts)."""
+    secret = api.get("v1/secrets", NAMESPACE, admin_token_secret_name(pool))
+    return None if secret is None else base64.b64decode(secret["data"][ADMIN_TOKEN_KEY]).decode()
+
+
+def operator_writes(cluster: Cluster, method: str, plural: str) -> list[tuple[int, str | None]]:
+    """(sequence number, name) of the operator's requests of one kind, in order."""
+    return [
+        (call.seq, call.name)
+        for call in cluster.api.journal
+        if call.method == method
+        and call.plural == plural
+        and not call.user_agent.startswith("kmock/")
+        and call.status < 400
+    ]
+
+
+def deleted_at(cluster: Cluster, name: str) -> int:
+    seqs = [seq for seq, pod in operator_writes(cluster, "DELETE", "pods") if pod == name]
+    assert seqs, f"{name} was not deleted by the operator"
+    return seqs[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,9 +14,8 @@ import yaml
 from kopf.testing import KopfRunner
 
 from kvgate.admission_service.embedded_broker import EmbeddedBroker
-from kvgate.operator.naming import ADMIN_TOKEN_KEY, admin_token_secret_name
 from tests.operator.admin_proxy import JournalingProxy
-from tests.operator.cluster import NAMESPACE, Cluster, Kubelet
+from tests.operator.cluster import NAMESPACE, Cluster, Kubelet, admin_token
 from tests.operator.fake_admin import FakeAdminApi
 from tests.operator.kube_emulator import KubeEmulator
 from tests.operator.pod_processes import AdmissionPod, ProcessKubelet
@@ -42,12 +40,6 @@ async def kube(crd: dict[str, Any]) -> AsyncIterator[KubeEmulator]:
         ) as response:
             assert response.status == 200, await response.text()
         yield api
-
-
-def admin_token(api: KubeEmulator, pool: str) -> str | None:
-    """The admin token the operator created for ``pool`` (what its admission pod mounts)."""
-    secret = api.get("v1/secrets", NAMESPACE, admin_token_secret_name(pool))
-    return None if secret is None else base64.b64decode(secret["data"][ADMIN_TOKEN_KEY]).decode()
 
 
 @pytest.fixture

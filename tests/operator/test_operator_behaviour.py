@@ -16,7 +16,7 @@ import yaml
 from kopf.testing import KopfRunner
 
 from kvgate.operator.naming import ANNOTATION_DRAINING_SINCE, LABEL_REVISION
-from tests.operator.cluster import NAMESPACE, Cluster, pool_manifest
+from tests.operator.cluster import NAMESPACE, Cluster, deleted_at, operator_writes, pool_manifest
 
 PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
 POOL = f"/apis/kvgate.dev/v1alpha1/namespaces/{NAMESPACE}/executorpools/pool"
@@ -34,28 +34,10 @@ def pod_endpoints(cluster: Cluster) -> dict[str, str]:
     }
 
 
-def operator_writes(cluster: Cluster, method: str, plural: str) -> list[tuple[int, str | None]]:
-    """(sequence number, name) of the operator's requests of one kind, in order."""
-    return [
-        (call.seq, call.name)
-        for call in cluster.api.journal
-        if call.method == method
-        and call.plural == plural
-        and not call.user_agent.startswith("kmock/")
-        and call.status < 400
-    ]
-
-
 def drained_at(cluster: Cluster, name: str) -> int:
     calls = cluster.admin.calls("POST", f"/v1/executors/{name}/drain")
     assert calls, f"no drain call for {name}"
     return calls[0].seq
-
-
-def deleted_at(cluster: Cluster, name: str) -> int:
-    seqs = [seq for seq, pod in operator_writes(cluster, "DELETE", "pods") if pod == name]
-    assert seqs, f"{name} was not deleted by the operator"
-    return seqs[0]
 
 
 async def ready_pool(cluster: Cluster, **spec: Any) -> None:

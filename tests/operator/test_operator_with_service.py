@@ -31,9 +31,7 @@ from kvgate.admission_service.messages import InferenceResult, ResultStatus
 from kvgate.operator.naming import step_endpoint
 from tests.admission_service.kafka_helpers import produce, read_results
 from tests.operator.admin_proxy import JournalingProxy
-from tests.operator.cluster import Cluster, pool_manifest
-from tests.operator.conftest import admin_token
-from tests.operator.test_operator_behaviour import deleted_at, operator_writes
+from tests.operator.cluster import Cluster, admin_token, deleted_at, operator_writes, pool_manifest
 
 pytestmark = pytest.mark.timeout(90)
 ServiceCluster = Cluster[JournalingProxy]
