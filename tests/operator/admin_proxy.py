@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from kvgate.admission_service.admin_api import AdminError, ExecutorState
+from tests.operator.local_http import serve_locally, successful_calls
 
 # Only these request headers reach the service: what the operator's admin client sends.
 _FORWARDED = ("Authorization", "Content-Type", "Accept")
@@ -58,11 +59,7 @@ class JournalingProxy:
 
     def calls(self, method: str, path_prefix: str = "") -> list[ProxiedCall]:
         """Successful calls of one method (and path prefix), in order."""
-        return [
-            c
-            for c in self.journal
-            if c.method == method and c.path.startswith(path_prefix) and c.status < 400
-        ]
+        return successful_calls(self.journal, method, path_prefix)
 
     def first_reported(self, name: str, state: ExecutorState) -> int | None:
         """Sequence number of the first answer that gave executor ``name`` in ``state``."""
@@ -80,12 +77,7 @@ class JournalingProxy:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self._runner, self.url = await serve_locally(app)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -28,6 +28,7 @@ from kvgate.admission_service.admin_api import (
     ExecutorState,
     ExecutorStatus,
 )
+from tests.operator.local_http import serve_locally, successful_calls
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,7 @@ class FakeAdminApi:
             member.state = ExecutorState.DRAINED
 
     def calls(self, method: str, path_prefix: str = "") -> list[AdminCall]:
-        return [
-            c
-            for c in self.journal
-            if c.method == method and c.path.startswith(path_prefix) and c.status < 400
-        ]
+        return successful_calls(self.journal, method, path_prefix)
 
     # --- server -----------------------------------------------------------------------------
 
@@ -94,12 +91,7 @@ class FakeAdminApi:
         app.router.add_get("/healthz", self._ok)
         app.router.add_get("/readyz", self._ok)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self._runner, self.url = await serve_locally(app)
 
     async def stop(self) -> None:
         if self._runner is not None:
