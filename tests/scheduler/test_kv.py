@@ -18,6 +18,19 @@ def test_pages_take_one_block_per_plane_and_claims_are_atomic() -> None:
     assert len(pool.release("a")) == 4 and pool.num_free_blocks == 12
 
 
+def test_claims_take_the_top_of_the_free_stack_in_pop_order() -> None:
+    # Block ids reach the executor, so the order a claim takes them in is part of the plan:
+    # lowest ids first on a fresh pool, the most recently freed first afterwards, one block per
+    # plane in each page.
+    pool = BlockPool(num_blocks=12, block_size=2, num_planes=3, enable_prefix_caching=False)
+    assert pool.allocate("a", 2, []) == [(0, 1, 2), (3, 4, 5)]
+    assert pool.grow("a", 3) == [(6, 7, 8)]
+    pool.release("a")
+    assert pool.allocate("b", 2, []) == [(8, 7, 6), (5, 4, 3)]
+    assert pool.grow("b", 4) == [(2, 1, 0), (9, 10, 11)]
+    assert pool.num_free_blocks == 0 and pool.check() == []
+
+
 def test_prefix_pages_are_shared_by_reference_and_evicted_lru_only_when_needed() -> None:
     pool = BlockPool(num_blocks=8, block_size=2, num_planes=2, enable_prefix_caching=True)
     prompt = [5, 6, 7, 8, 9]

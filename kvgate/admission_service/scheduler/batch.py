@@ -82,22 +82,30 @@ def _visit(
     step = state.step
     ids, positions, depths = builder.decode_ids, builder.decode_positions, builder.decode_depths
     selected = builder.selected
+    # Read once: an enum member lookup costs as much as the rest of a lean decode row.
+    running = RequestStatus.RUNNING
+    visit_fills, visit_decodes = stage is not _Stage.DECODE, stage is not _Stage.FILL
     for request in state.running.snapshot():
         if budget <= 0:
             break
-        if request.status is not RequestStatus.RUNNING:
+        if request.status is not running:
             continue  # evicted by an earlier row's growth in this step
         if request.fill is not None and not _fill_completion_in_flight(state, request):
-            if stage is not _Stage.DECODE:
+            if visit_fills:
                 budget = _schedule_fill(state, builder, rooms, request, budget)
             continue
-        if stage is _Stage.FILL:
+        if not visit_decodes:
             continue
         if request.inflight_step is None:
-            # The common case, kept lean: the cursor is known and its page is already held.
+            # The common case, kept lean: the cursor is known, and its page is held or can be
+            # taken from free blocks (only a missing page with none free needs the general path,
+            # which may preempt for it).
             position = request.prompt_len + len(request.output_token_ids) - 1
             request_id = request.request_id
-            if (position + block_size) // block_size <= pool.num_pages(request_id):
+            pages = position // block_size + 1  # the table must cover [0, position]
+            if pages <= pool.num_pages(request_id) or _take_free_pages(
+                state, builder, request, pages
+            ):
                 ids.append(request_id)
                 positions.append(position)
                 depths.append(request.depth_done + 1)
@@ -172,7 +180,7 @@ def next_decode_pass(
 ) -> tuple[int | None, int | None, int] | None:
     """(position, depth, K/V frontier in tokens) of the request's next pass; position and depth
     are ``None`` when an in-flight outcome decides them. ``None``: no pass is useful now."""
-    max_tokens = request.spec.sampling.max_tokens
+    max_tokens = request.max_tokens
     if request.fill is not None:
         # Only reached while the fill's last row is in flight: decode starts right after it.
         if not request.output_token_ids and max_tokens == 1:
@@ -220,15 +228,22 @@ def _ensure_pages(
     frontier_tokens = min(frontier_tokens, request.capacity_tokens)
     pages = pool.pages_for(frontier_tokens)
     have = pool.num_pages(request.request_id)
-    if pages <= have:
+    if pages <= have or _take_free_pages(state, builder, request, pages):
         return True
-    fresh = state.grow(request, pages)
+    short = (pages - have) * state.num_planes - pool.num_free_blocks
+    if not rooms.make_room(state, builder, request, short):
+        return False
+    # False only for a strategy without a preflight.
+    return _take_free_pages(state, builder, request, pages)
+
+
+def _take_free_pages(
+    state: SchedulerState, builder: PlanBuilder, request: Request, num_pages: int
+) -> bool:
+    """Grow the table to ``num_pages`` from free blocks alone; False (nothing changed) when
+    they do not cover it."""
+    fresh = state.grow(request, num_pages)
     if fresh is None:
-        short = (pages - have) * state.num_planes - pool.num_free_blocks
-        if not rooms.make_room(state, builder, request, short):
-            return False
-        fresh = state.grow(request, pages)
-        if fresh is None:
-            return False  # only a strategy without a preflight gets here
+        return False
     builder.append_pages(request.request_id, fresh)
     return True

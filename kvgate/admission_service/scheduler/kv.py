@@ -193,16 +193,19 @@ class BlockPool:
 
     # --- internals ---------------------------------------------------------------------------
     def _claim(self, num_pages: int) -> list[Page]:
-        needed = num_pages * self.num_planes
-        while len(self._free) < needed:
+        planes = self.num_planes
+        needed = num_pages * planes
+        free = self._free
+        while len(free) < needed:
             self._evict_one()
-        pages: list[Page] = []
-        for _ in range(num_pages):
-            page = tuple(self._free.pop() for _ in range(self.num_planes))
-            for block in page:
-                self._refs[block] = 1
-            pages.append(page)
-        return pages
+        # The top of the free stack, in the order it pops (lowest ids first).
+        top = len(free) - needed
+        blocks = free[top:]
+        del free[top:]
+        blocks.reverse()
+        for block in blocks:
+            self._refs[block] = 1
+        return [tuple(blocks[first : first + planes]) for first in range(0, needed, planes)]
 
     def _evict_one(self) -> None:
         digest, _ = self._evictable.popitem(last=False)

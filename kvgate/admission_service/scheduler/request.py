@@ -59,6 +59,7 @@ class Request:
     min_loops: int
     max_loops: int
     capacity_tokens: int  # P + max_tokens - 1: the last sampled token is never fed back
+    max_tokens: int  # spec.sampling.max_tokens, read for every token
     prompt_len: int
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -113,6 +113,7 @@ class Scheduler:
             min_loops=min(loops.min_loops, num_loops),
             max_loops=min(loops.max_loops or num_loops, num_loops),
             capacity_tokens=len(spec.prompt_token_ids) + spec.sampling.max_tokens - 1,
+            max_tokens=spec.sampling.max_tokens,
             prompt_len=len(spec.prompt_token_ids),
             arrival_step=state.step,
         )
@@ -240,18 +241,19 @@ class Scheduler:
         report = builder.report
         report.decode_rows = len(builder.decode_ids)
         report.rows = report.decode_rows + len(builder.prefill_rows)
-        depths = Counter(d for d in builder.decode_depths if d is not None)
+        # Counted over the whole list (``None``: decided by an in-flight outcome), then dropped.
+        depths: Counter[int | None] = Counter(builder.decode_depths)
         for row in builder.prefill_rows:
             report.prefill_tokens += (row.token_end - row.token_start) * (
                 row.depth_last - row.depth_first + 1
             )
             depths.update(range(row.depth_first, row.depth_last + 1))
-        report.depths = dict(depths)
+        report.depths = {depth: rows for depth, rows in depths.items() if depth is not None}
         report.blocks_free = state.pool.num_free_blocks
         report.blocks_used = state.pool.num_used_blocks
         report.num_waiting = len(state.waiting)
         report.num_running = len(state.running)
-        report.progressed_request_ids = set(builder.selected) | set(builder.started)
+        report.progressed_request_ids = builder.selected | builder.started
         self.last_report = report
 
     def apply(self, result: StepResult) -> list[RequestEvent]:
@@ -342,25 +344,27 @@ class Scheduler:
         if result.tokens:
             self._progressed = True  # a token always lies past its request's high-water mark
         for token in result.tokens:
-            request = requests.get(token.request_id)
+            request_id, position, token_id = token.request_id, token.position, token.token_id
+            request = requests.get(request_id)
             if request is None:
                 continue
             outputs = request.output_token_ids
-            if token.position != request.prompt_len + len(outputs):
+            index = len(outputs)  # the new token's output index
+            if position != request.prompt_len + index:
                 raise PlanRejected(
-                    f"{token.request_id}: token at position {token.position}, expected "
-                    f"{request.prompt_len + len(outputs)}"
+                    f"{request_id}: token at position {position}, expected "
+                    f"{request.prompt_len + index}"
                 )
-            outputs.append(token.token_id)
-            request.exit_depths.append(token.exit_depth)
-            events.append(
-                TokenEvent(token.request_id, len(outputs) - 1, token.token_id, token.exit_depth)
-            )
-            request.progress_mark = token.position
-            sampling = request.spec.sampling
-            if eos is not None and token.token_id == eos and not sampling.ignore_eos:
+            exit_depth = token.exit_depth
+            outputs.append(token_id)
+            request.exit_depths.append(exit_depth)
+            # The same tuple as ``TokenEvent(...)`` without the generated Python-level ``__new__``
+            # (a third of the cost): one is made per running request per step.
+            events.append(tuple.__new__(TokenEvent, (request_id, index, token_id, exit_depth)))
+            request.progress_mark = position
+            if eos is not None and token_id == eos and not request.spec.sampling.ignore_eos:
                 self._finish(request, FinishReason.STOP)
-            elif len(outputs) >= sampling.max_tokens:
+            elif index + 1 >= request.max_tokens:
                 self._finish(request, FinishReason.LENGTH)
 
     def _check_skipped(self, result: StepResult) -> None:
