@@ -108,8 +108,9 @@ def build(progress: Progress = log_progress) -> Path:
             env={
                 "GOMODCACHE": str(root / "go" / "mod"),
                 "GOCACHE": str(root / "go" / "build"),
-                # go.sum is part of the recipe: a build never rewrites it.
-                "GOFLAGS": "-mod=readonly -buildvcs=false",
+                # go.sum is part of the recipe: a build never rewrites it. A writable module
+                # cache can be deleted with the rest of the harness cache (rm -rf).
+                "GOFLAGS": "-mod=readonly -modcacherw -buildvcs=false",
                 "CGO_ENABLED": "0",
             },
         )
