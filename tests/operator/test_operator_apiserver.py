@@ -56,7 +56,8 @@ CHART_VALUES = ValueSet(
 # --- the cluster ---------------------------------------------------------------------------------
 
 
-def _created(answer: tuple[int, Any]) -> Any:
+def _ok(answer: tuple[int, Any]) -> Any:
+    """The body of a successful answer (200 or 201); fails the test with the Status otherwise."""
     status, body = answer
     assert status in (200, 201), body
     return body
@@ -94,12 +95,12 @@ def apiserver(chart_rbac: list[dict[str, Any]]) -> Iterator[KubeApiServer]:
     assert subject["kind"] == "ServiceAccount", subject
     with KubeApiServer(binary, operator_user=f"{subject['namespace']}/{subject['name']}") as server:
         crd = yaml.safe_load(CRD_PATH.read_text())
-        _created(server.request("POST", CRDS, crd))
+        _ok(server.request("POST", CRDS, crd))
         _wait_established(server, crd["metadata"]["name"])
         role, binding = chart_rbac
         rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}"
-        _created(server.request("POST", f"{rbac}/roles", role))
-        _created(server.request("POST", f"{rbac}/rolebindings", binding))
+        _ok(server.request("POST", f"{rbac}/roles", role))
+        _ok(server.request("POST", f"{rbac}/rolebindings", binding))
         yield server
 
 
@@ -145,7 +146,7 @@ async def play_kubelet(server: KubeApiServer, pod: str, ip: str) -> None:
     answer = await call(
         server, "PATCH", f"{PODS}/{pod}/status", {"status": status}, content_type=MERGE
     )
-    _created(answer)
+    _ok(answer)
 
 
 # --- the operator --------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ class Pools:
         self.admin_token.pool = name
         self.created.append(name)
         manifest = pool_manifest(name, replicas=replicas)
-        return dict(_created(await call(self.apiserver, "POST", POOLS, manifest)))
+        return dict(_ok(await call(self.apiserver, "POST", POOLS, manifest)))
 
     async def start_pods(self, names: list[str]) -> None:
         """Wait for the operator to create ``names``, then play their kubelet."""
@@ -304,7 +305,7 @@ def test_api_server_rejects_pools_outside_the_crd_schema(
 ) -> None:
     valid = pool_manifest("schema-check")
     # The same pool without the bad field passes the schema (dry run: nothing is stored).
-    _created(apiserver.request("POST", f"{POOLS}?dryRun=All", valid))
+    _ok(apiserver.request("POST", f"{POOLS}?dryRun=All", valid))
 
     status, answer = apiserver.request("POST", POOLS, pool_manifest("schema-check", **spec))
 
@@ -374,7 +375,7 @@ async def test_scale_subresource_scales_the_pool(apiserver: KubeApiServer, pools
 
     # What `kubectl scale executorpool/beta --replicas=3` sends.
     patch = {"spec": {"replicas": 3}}
-    _created(await call(apiserver, "PATCH", scale_path, patch, content_type=MERGE))
+    _ok(await call(apiserver, "PATCH", scale_path, patch, content_type=MERGE))
 
     await pools.start_pods(["beta-1", "beta-2"])
     scaled = await pool_status(apiserver, "beta", phase="Ready", readyReplicas=3, replicas=3)
