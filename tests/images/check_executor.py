@@ -22,27 +22,15 @@ import docker
 from tests.harness.docker_engine import docker_engine
 from tests.harness.system import cache_root, log_progress
 from tests.images.base import ensure_debian_base
-from tests.images.conftest import build_image
+from tests.images.conftest import build_image, run_locked_down
 
 TAG = "kvgate-test-executor:latest"
 _LARGE_BYTES = 3_000_000_000  # the executor's build stage; nothing else dangling is this big
 
 
 def _run(client: docker.DockerClient, command: list[str], entrypoint: str | None = None) -> str:
-    output = client.containers.run(
-        TAG,
-        command,
-        entrypoint=entrypoint,
-        network_mode="none",
-        read_only=True,
-        tmpfs={"/tmp": "rw,size=512m"},
-        cap_drop=["ALL"],
-        security_opt=["no-new-privileges"],
-        remove=True,
-        stdout=True,
-        stderr=True,
-    )
-    return bytes(output).decode()
+    # torch's import needs more /tmp than the other images' commands.
+    return run_locked_down(client, TAG, command, entrypoint=entrypoint, tmp_size="512m")
 
 
 def check(client: docker.DockerClient) -> list[str]:

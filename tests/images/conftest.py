@@ -104,3 +104,29 @@ def operator_image(
         debian_base,
         _progress(pytestconfig),
     )
+
+
+def run_locked_down(
+    client: docker.DockerClient,
+    image: str,
+    command: list[str],
+    *,
+    entrypoint: str | None = None,
+    tmp_size: str = "64m",
+) -> str:
+    """Run like the operator's pods do: as the image's user, with a read-only root filesystem,
+    no capabilities, no privilege escalation, a writable /tmp only, and no network at all."""
+    output = client.containers.run(
+        image,
+        command,
+        entrypoint=entrypoint,
+        network_mode="none",
+        read_only=True,
+        tmpfs={"/tmp": f"rw,size={tmp_size}"},
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges"],
+        remove=True,
+        stdout=True,
+        stderr=True,
+    )
+    return bytes(output).decode()

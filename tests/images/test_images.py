@@ -7,33 +7,14 @@ import docker
 import pytest
 from docker.errors import ContainerError
 
-from tests.images.conftest import BuiltImage
+from tests.images.conftest import BuiltImage, run_locked_down
 
 pytestmark = pytest.mark.docker
 
 RUN_AS = "10001:10001"
-# What the admission image must answer. `kvgate admission-service` is not on this branch yet;
-# when it is, this becomes ["admission-service", "--help"] and nothing else changes.
+# What the admission image must answer.
 ADMISSION_CHECK = ["admission-service", "--help"]
 ADMISSION_EXPECTED = "usage: kvgate admission-service"
-
-
-def run_locked_down(client: docker.DockerClient, image: str, command: list[str]) -> str:
-    """Run like the operator's pods do: as the image's user, with a read-only root filesystem,
-    no capabilities, no privilege escalation, a writable /tmp only, and no network at all."""
-    output = client.containers.run(
-        image,
-        command,
-        network_mode="none",
-        read_only=True,
-        tmpfs={"/tmp": "rw,size=64m"},
-        cap_drop=["ALL"],
-        security_opt=["no-new-privileges"],
-        remove=True,
-        stdout=True,
-        stderr=True,
-    )
-    return bytes(output).decode()
 
 
 def python_in(client: docker.DockerClient, image: str, code: str) -> str:
