@@ -19,7 +19,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 log = logging.getLogger("kvgate.harness")
 
@@ -37,6 +37,21 @@ class HarnessError(RuntimeError):
 def log_progress(message: str) -> None:
     """The default :data:`Progress`: the ``kvgate.harness`` logger."""
     log.info("%s", message)
+
+
+class _LineWriter(Protocol):
+    def write_line(self, line: str) -> object: ...
+
+
+def progress_to(reporter: _LineWriter | None, label: str) -> Progress:
+    """Progress logged and, when pytest's terminal reporter is given, shown as ``[label] ...``."""
+
+    def emit(message: str) -> None:
+        log_progress(message)
+        if reporter is not None:
+            reporter.write_line(f"[{label}] {message}")
+
+    return emit
 
 
 def cache_root() -> Path:

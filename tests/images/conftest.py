@@ -13,7 +13,7 @@ import pytest
 from docker.errors import BuildError
 
 from tests.harness.docker_engine import docker_engine
-from tests.harness.system import Progress, cache_root, log_progress
+from tests.harness.system import Progress, cache_root, progress_to
 from tests.images.base import ensure_debian_base
 
 REPOSITORY_ROOT = Path(__file__).parents[2]
@@ -29,14 +29,7 @@ class BuiltImage:
 
 
 def _progress(config: pytest.Config) -> Progress:
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-
-    def emit(message: str) -> None:
-        log_progress(message)
-        if reporter is not None:
-            reporter.write_line(f"[kvgate images] {message}")
-
-    return emit
+    return progress_to(config.pluginmanager.get_plugin("terminalreporter"), "kvgate images")
 
 
 @pytest.fixture(scope="session")

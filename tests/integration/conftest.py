@@ -26,7 +26,7 @@ from tests.harness.kafka_client import (
 )
 from tests.harness.kafka_client import unique_topic_name as _unique_topic_name
 from tests.harness.kafka_image import ensure_kafka_image
-from tests.harness.system import Progress, cache_root, log_progress
+from tests.harness.system import Progress, cache_root, progress_to
 from tests.harness.tls import self_signed_certificate
 
 EXTERNAL_BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
@@ -59,14 +59,7 @@ def pytest_runtest_makereport(
 
 
 def _progress(config: pytest.Config) -> Progress:
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-
-    def emit(message: str) -> None:
-        log_progress(message)
-        if reporter is not None:
-            reporter.write_line(f"[kvgate harness] {message}")
-
-    return emit
+    return progress_to(config.pluginmanager.get_plugin("terminalreporter"), "kvgate harness")
 
 
 @pytest.fixture(scope="session")
