@@ -98,6 +98,9 @@ async def test_mixed_workload_bad_input_and_aborts(
             executors,
             limits={"max_prompt_tokens": 256},
             kafka={"token_topic": topics.tokens},
+            # Without the growth reserve, whose job is to avoid preemptions: this workload is
+            # small, and its outputs must be checked across preemption and restore.
+            scheduler={"growth_reserve_steps": 0},
         )
         services.append(start_service(tmp_path, "service", settings))
         service = services[0]
