@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.config import ModelFamily
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import DType, load_model
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+from kvgate.protocol import step as wire
 
 SMALL = TinyModelSpec(
     family=ModelFamily.LLAMA, vocab_size=4096, hidden_size=512, intermediate_size=1408,
@@ -88,8 +88,8 @@ def _compare(
 # ------------------------------------------------------------------------------- paged
 
 
-def _fill_row(rid: str, start: int, end: int, *, completes: bool) -> api.PrefillRow:
-    return api.PrefillRow(
+def _fill_row(rid: str, start: int, end: int, *, completes: bool) -> wire.PrefillRow:
+    return wire.PrefillRow(
         request_id=rid, token_start=start, token_end=end, depth_first=1, depth_last=1,
         completes_fill=completes,
     )  # fmt: skip
@@ -112,28 +112,28 @@ class PagedRun:
         requests, appends, rows = [], [], []
         for rid in self.decoders:
             prompt = [(7 * i + len(rid)) % vocab for i in range(PROMPT_LEN)]
-            sampling = api.SamplingParams(max_tokens=total_steps + 2, ignore_eos=True)
+            sampling = wire.SamplingParams(max_tokens=total_steps + 2, ignore_eos=True)
             requests.append(
-                api.NewRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+                wire.NewRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
             )
             appends.append(self._pages(rid, PROMPT_LEN + total_steps + 2))
             rows.append(_fill_row(rid, 0, PROMPT_LEN, completes=True))
         if mixed:
             feeder = [(3 * i) % vocab for i in range(CHUNK * (total_steps + 1))]
-            sampling = api.SamplingParams(max_tokens=1)
+            sampling = wire.SamplingParams(max_tokens=1)
             requests.append(
-                api.NewRequest(request_id="feeder", prompt_token_ids=feeder, sampling=sampling)
+                wire.NewRequest(request_id="feeder", prompt_token_ids=feeder, sampling=sampling)
             )
             appends.append(self._pages("feeder", len(feeder)))
-        plan = api.StepPlan(
+        plan = wire.StepPlan(
             step_id=self._next(), new_requests=requests, block_appends=appends, prefill_rows=rows
         )
         self._run(plan)
         self.kernel_s = self.execute_s = 0.0  # count the measured steps only
 
-    def _pages(self, rid: str, positions: int) -> api.BlockAppend:
+    def _pages(self, rid: str, positions: int) -> wire.BlockAppend:
         count = -(-positions // BLOCK_SIZE)
-        return api.BlockAppend(
+        return wire.BlockAppend(
             request_id=rid, new_block_ids=[[next(self._free_blocks) for _ in range(count)]]
         )
 
@@ -141,7 +141,7 @@ class PagedRun:
         self.step_id += 1
         return self.step_id
 
-    def _run(self, plan: api.StepPlan) -> None:
+    def _run(self, plan: wire.StepPlan) -> None:
         result = self.ex.execute(plan)
         if result.error is not None:
             raise RuntimeError(f"benchmark plan rejected: {result.error}")
@@ -154,8 +154,8 @@ class PagedRun:
         if self.mixed:
             rows = [_fill_row("feeder", self.feeder_pos, self.feeder_pos + CHUNK, completes=False)]
             self.feeder_pos += CHUNK
-        decode = api.DecodeRows(request_ids=self.decoders, positions=[None] * n, depths=[None] * n)
-        self._run(api.StepPlan(step_id=self._next(), prefill_rows=rows, decode=decode))
+        decode = wire.DecodeRows(request_ids=self.decoders, positions=[None] * n, depths=[None] * n)
+        self._run(wire.StepPlan(step_id=self._next(), prefill_rows=rows, decode=decode))
         return n + (CHUNK if self.mixed else 0)
 
 

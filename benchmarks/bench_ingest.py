@@ -45,10 +45,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from kvgate.admission_service.embedded_broker import EmbeddedBroker
 from kvgate.admission_service.executor_client import WebSocketConnector
+from kvgate.admission_service.executor_handle import scheduler_for
 from kvgate.admission_service.kafka_io import ensure_topics
-from kvgate.admission_service.pool import scheduler_for
 from kvgate.admission_service.scheduler.config import SchedulerConfig
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.service import AdmissionService, tune_garbage_collector
@@ -58,9 +57,10 @@ from kvgate.admission_service.settings import (
     LimitsSettings,
     load_settings,
 )
-from kvgate.admission_service.sim_executor import LocalConnector, SimExecutorConfig
 from kvgate.admission_service.validation import RawRecord, validate_request
-from kvgate.gpu_executor.api import SamplingParams
+from kvgate.local.embedded_broker import EmbeddedBroker
+from kvgate.protocol.step import SamplingParams
+from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.baselines import SeedPostFix, SeedPreFix, VllmStyle
 from benchmarks.preemption_causes import CauseRecorder
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy
-from kvgate.admission_service.sim.report import SimReport
-from kvgate.admission_service.sim.simulate import simulate
-from kvgate.admission_service.sim.workload import Workload
-from kvgate.admission_service.sim.workloads import livelock_suite
+from kvgate.sim.report import SimReport
+from kvgate.sim.simulate import simulate
+from kvgate.sim.workload import Workload
+from kvgate.sim.workloads import livelock_suite
 
 STRATEGIES = (KvgateStrategy, SeedPreFix, SeedPostFix, VllmStyle)
 

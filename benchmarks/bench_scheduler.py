@@ -32,7 +32,7 @@ from kvgate.admission_service.scheduler.config import (
 )
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import Scheduler
-from kvgate.gpu_executor.api import (
+from kvgate.protocol.step import (
     DecodeOutcomes,
     SampledToken,
     SamplingParams,

@@ -15,7 +15,7 @@ from typing import Protocol, cast
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sim": ("kvgate.sim_command", "run a workload file on the simulated or a real executor"),
+    "sim": ("kvgate.sim.command", "run a workload file on the simulated or a real executor"),
     "executor": ("kvgate.gpu_executor.cli", "serve a model's step plans over a WebSocket"),
     "make-tiny-model": ("kvgate.gpu_executor.tiny_model", "write a small random checkpoint"),
     "admission-service": (
@@ -23,19 +23,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "consume requests from Kafka, schedule them over executors, answer them",
     ),
     "sim-executor": (
-        "kvgate.admission_service.sim_server",
+        "kvgate.sim.server",
         "serve the simulated executor over the WebSocket step protocol",
     ),
     "demo": (
-        "kvgate.admission_service.demo",
+        "kvgate.local.demo",
         "run broker, executor and admission service here, push a workload through, report",
     ),
     "run": (
-        "kvgate.admission_service.run_cli",
+        "kvgate.local.run",
         "run broker, executor and admission service here, serving until Ctrl-C",
     ),
-    "produce": ("kvgate.admission_service.produce_cli", "produce requests from a JSON-lines file"),
-    "results": ("kvgate.admission_service.results_cli", "print results as JSON lines"),
+    "produce": ("kvgate.client.produce", "produce requests from a JSON-lines file"),
+    "results": ("kvgate.client.results", "print results as JSON lines"),
     "operator": ("kvgate.operator.cli", "run the ExecutorPool operator (kopf)"),
 }
 

@@ -30,9 +30,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from kvgate.admission_service.admin_api import AdminError, ExecutorMembership, ExecutorSet
 from kvgate.admission_service.engine import Engine
 from kvgate.admission_service.metrics import ServiceMetrics
+from kvgate.protocol.admin import AdminError, ExecutorMembership, ExecutorSet
 
 log = logging.getLogger(__name__)
 

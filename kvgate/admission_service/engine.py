@@ -27,19 +27,10 @@ from typing import Protocol
 
 from opentelemetry.trace import Span
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorStatus
 from kvgate.admission_service.executor_client import Connector, EpochClock
+from kvgate.admission_service.executor_handle import ExecutorHandle, SessionSettings
 from kvgate.admission_service.membership import Membership
-from kvgate.admission_service.messages import (
-    FinishReason,
-    InferenceResult,
-    RejectCode,
-    ResultStatus,
-    SourceRef,
-    TokenChunk,
-)
 from kvgate.admission_service.metrics import ExecutorGauge, ServiceMetrics
-from kvgate.admission_service.pool import ExecutorHandle, SessionSettings
 from kvgate.admission_service.scheduler.config import SchedulerConfig
 from kvgate.admission_service.scheduler.errors import RequestRejected
 from kvgate.admission_service.scheduler.events import (
@@ -58,7 +49,16 @@ from kvgate.admission_service.tracking import (
     unfinished_result,
 )
 from kvgate.admission_service.validation import Accepted, RawRecord, Rejection, build_spec
-from kvgate.gpu_executor.api import StepPlan, StepResult
+from kvgate.protocol.admin import ExecutorSpec, ExecutorStatus
+from kvgate.protocol.records import (
+    FinishReason,
+    InferenceResult,
+    RejectCode,
+    ResultStatus,
+    SourceRef,
+    TokenChunk,
+)
+from kvgate.protocol.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 

@@ -31,20 +31,20 @@ from typing import Protocol
 import aiohttp
 from pydantic import TypeAdapter, ValidationError
 
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 2**20
-_SERVER_MESSAGE: TypeAdapter[api.SessionAccepted | api.StepResult | api.ProtocolError] = (
-    TypeAdapter(api.ServerMessage)
+_SERVER_MESSAGE: TypeAdapter[wire.SessionAccepted | wire.StepResult | wire.ProtocolError] = (
+    TypeAdapter(wire.ServerMessage)
 )
 
 
 class SessionRefused(Exception):
     """The executor would not open a session (bad token, stale epoch, wrong protocol)."""
 
-    def __init__(self, code: api.ErrorCode, message: str) -> None:
+    def __init__(self, code: wire.ErrorCode, message: str) -> None:
         super().__init__(f"{code.value}: {message}")
         self.code = code
 
@@ -77,11 +77,11 @@ class StepSession(Protocol):
     """An open session: results arrive in the order plans were sent."""
 
     @property
-    def info(self) -> api.ExecutorInfo: ...
+    def info(self) -> wire.ExecutorInfo: ...
 
-    async def send(self, plan: api.StepPlan) -> None: ...
+    async def send(self, plan: wire.StepPlan) -> None: ...
 
-    async def receive(self) -> api.StepResult: ...
+    async def receive(self) -> wire.StepResult: ...
 
     async def wait_lost(self) -> SessionLost:
         """Returns (with the reason) once the session has broken."""
@@ -98,18 +98,18 @@ class Connector(Protocol):
 
 class WebSocketSession:
     def __init__(
-        self, ws: aiohttp.ClientWebSocketResponse, info: api.ExecutorInfo, step_timeout_s: float
+        self, ws: aiohttp.ClientWebSocketResponse, info: wire.ExecutorInfo, step_timeout_s: float
     ) -> None:
         self._ws = ws
         self._info = info
         self._step_timeout_s = step_timeout_s
-        self._results: asyncio.Queue[api.StepResult | SessionLost] = asyncio.Queue()
+        self._results: asyncio.Queue[wire.StepResult | SessionLost] = asyncio.Queue()
         self._lost: SessionLost | None = None
         self._lost_event = asyncio.Event()
         self._reader = asyncio.create_task(self._read(), name="kvgate-step-reader")
 
     @property
-    def info(self) -> api.ExecutorInfo:
+    def info(self) -> wire.ExecutorInfo:
         return self._info
 
     async def _read(self) -> None:
@@ -126,10 +126,10 @@ class WebSocketSession:
                 except ValidationError as exc:
                     reason = SessionLost(f"unparseable message from the executor: {exc}")
                     break
-                if isinstance(message, api.StepResult):
+                if isinstance(message, wire.StepResult):
                     self._results.put_nowait(message)
-                elif isinstance(message, api.ProtocolError):
-                    fenced = message.code is api.ErrorCode.STALE_EPOCH
+                elif isinstance(message, wire.ProtocolError):
+                    fenced = message.code is wire.ErrorCode.STALE_EPOCH
                     reason = SessionLost(f"{message.code.value}: {message.message}", fenced=fenced)
                     break
                 else:
@@ -149,7 +149,7 @@ class WebSocketSession:
         assert self._lost is not None
         return self._lost
 
-    async def send(self, plan: api.StepPlan) -> None:
+    async def send(self, plan: wire.StepPlan) -> None:
         if self._lost is not None:
             raise self._lost
         try:
@@ -157,7 +157,7 @@ class WebSocketSession:
         except (aiohttp.ClientError, ConnectionError, RuntimeError) as exc:
             raise SessionLost(f"sending step {plan.step_id} failed: {exc!r}") from exc
 
-    async def receive(self) -> api.StepResult:
+    async def receive(self) -> wire.StepResult:
         try:
             item = await asyncio.wait_for(self._results.get(), self._step_timeout_s)
         except TimeoutError:
@@ -204,12 +204,12 @@ class WebSocketConnector:
             )
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status == 401:
-                raise SessionRefused(api.ErrorCode.UNAUTHORIZED, "bearer token refused") from exc
+                raise SessionRefused(wire.ErrorCode.UNAUTHORIZED, "bearer token refused") from exc
             raise ConnectFailed(f"{endpoint}: HTTP {exc.status} {exc.message}") from exc
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise ConnectFailed(f"{endpoint}: {exc or type(exc).__name__}") from exc
         try:
-            opening = api.SessionOpen(epoch=epoch, session_id=uuid.uuid4().hex)
+            opening = wire.SessionOpen(epoch=epoch, session_id=uuid.uuid4().hex)
             await ws.send_str(opening.model_dump_json())
             msg = await ws.receive(timeout=self._connect_timeout_s)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -223,10 +223,10 @@ class WebSocketConnector:
         except ValidationError as exc:
             await ws.close()
             raise ConnectFailed(f"{endpoint}: unparseable opening answer: {exc}") from exc
-        if isinstance(answer, api.ProtocolError):
+        if isinstance(answer, wire.ProtocolError):
             await ws.close()
             raise SessionRefused(answer.code, answer.message)
-        if not isinstance(answer, api.SessionAccepted) or answer.epoch != epoch:
+        if not isinstance(answer, wire.SessionAccepted) or answer.epoch != epoch:
             await ws.close()
             raise ConnectFailed(f"{endpoint}: unexpected opening answer {answer!r}")
         log.info("executor %s accepted epoch %d: %s", endpoint, epoch, answer.info.executor_id)

@@ -39,7 +39,6 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
-from kvgate.admission_service.delivery import PartitionLedger, decode_metadata
 from kvgate.admission_service.engine import Engine
 from kvgate.admission_service.kafka_io import (
     client_options,
@@ -48,6 +47,7 @@ from kvgate.admission_service.kafka_io import (
     scan_answered,
 )
 from kvgate.admission_service.metrics import ServiceMetrics
+from kvgate.admission_service.offsets import PartitionLedger, decode_metadata
 from kvgate.admission_service.outbox import Outbox
 from kvgate.admission_service.settings import IsolationLevel, ServiceSettings
 from kvgate.admission_service.tokenizer import TextCodec

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState, ExecutorStatus
 from kvgate.admission_service.executor_client import Connector, EpochClock
+from kvgate.admission_service.executor_handle import ExecutorHandle, PoolObserver, SessionSettings
 from kvgate.admission_service.metrics import ExecutorGauge
-from kvgate.admission_service.pool import ExecutorHandle, PoolObserver, SessionSettings
 from kvgate.admission_service.scheduler.config import SchedulerConfig
+from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvgate.admission_service.scheduler.events import StepReport
-from kvgate.gpu_executor.api import ExecutorCounters
+from kvgate.protocol.step import ExecutorCounters
 
 
 @dataclass(frozen=True, slots=True)

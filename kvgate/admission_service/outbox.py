@@ -49,18 +49,18 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 from aiokafka.structs import OffsetAndMetadata, RecordMetadata
 
-from kvgate.admission_service.delivery import CommitPoint, PartitionLedger
 from kvgate.admission_service.faults import BEFORE_COMMIT, CrashPoints
-from kvgate.admission_service.messages import (
+from kvgate.admission_service.metrics import ServiceMetrics
+from kvgate.admission_service.offsets import CommitPoint, PartitionLedger
+from kvgate.admission_service.settings import KafkaSettings
+from kvgate.admission_service.validation import RawRecord, Rejection
+from kvgate.protocol.records import (
     TRACEPARENT_HEADER,
     DeadLetter,
     InferenceResult,
     SourceRef,
     TokenChunk,
 )
-from kvgate.admission_service.metrics import ServiceMetrics
-from kvgate.admission_service.settings import KafkaSettings
-from kvgate.admission_service.validation import RawRecord, Rejection
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,13 @@ from opentelemetry import trace
 from kvgate.admission_service.admin import AdminApi
 from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_client import Connector, WebSocketConnector
+from kvgate.admission_service.executor_handle import SessionSettings
 from kvgate.admission_service.faults import CrashPoints
 from kvgate.admission_service.intake import AbortReader, Intake, request_consumer
 from kvgate.admission_service.kafka_health import KafkaHealth
 from kvgate.admission_service.kafka_io import client_options, ensure_topics, exactly_once_enabled
 from kvgate.admission_service.metrics import ServiceMetrics, StateSnapshot
 from kvgate.admission_service.outbox import Outbox
-from kvgate.admission_service.pool import SessionSettings
 from kvgate.admission_service.settings import ServiceSettings, SettingsError
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
 from kvgate.admission_service.tracing import ServiceTracer

@@ -32,8 +32,8 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvgate.admission_service.admin_api import ExecutorSpec
 from kvgate.admission_service.scheduler.config import SchedulerConfig
+from kvgate.protocol.admin import ExecutorSpec
 
 ENV_PREFIX = "KVGATE_"
 TopicName = Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")]

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from kvgate.admission_service.messages import (
+from kvgate.admission_service.scheduler.events import FinishedEvent
+from kvgate.admission_service.scheduler.request import FinishReason as SchedulerFinish
+from kvgate.admission_service.scheduler.request import RequestSpec
+from kvgate.admission_service.scheduler.scheduler import RequestProgress
+from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.validation import RawRecord
+from kvgate.protocol.records import (
     FinishReason,
     InferenceRequest,
     InferenceResult,
@@ -20,12 +26,6 @@ from kvgate.admission_service.messages import (
     Timings,
     Usage,
 )
-from kvgate.admission_service.scheduler.events import FinishedEvent
-from kvgate.admission_service.scheduler.request import FinishReason as SchedulerFinish
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import RequestProgress
-from kvgate.admission_service.tokenizer import TextCodec
-from kvgate.admission_service.validation import RawRecord
 
 _STATUS = {
     SchedulerFinish.STOP: ResultStatus.COMPLETED,

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from kvgate.admission_service.messages import (
+from kvgate.admission_service.scheduler.request import RequestSpec
+from kvgate.admission_service.settings import LimitsSettings
+from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.protocol.records import (
     REQUEST_ID_PATTERN,
     SCHEMA_VERSION,
     TRACEPARENT_HEADER,
@@ -28,10 +31,7 @@ from kvgate.admission_service.messages import (
     InferenceRequest,
     RejectCode,
 )
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.settings import LimitsSettings
-from kvgate.admission_service.tokenizer import TextCodec
-from kvgate.gpu_executor.api import LoopParams, SamplingParams
+from kvgate.protocol.step import LoopParams, SamplingParams
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 

@@ -18,7 +18,6 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, Status, StatusCode
 
 from kvgate import kernels
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.calibration import measure_costs, profile_forward
 from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.kv_cache import (
@@ -32,6 +31,7 @@ from kvgate.gpu_executor.requests import RequestState, Snapshot
 from kvgate.gpu_executor.runner import StepRunner
 from kvgate.gpu_executor.step_span import kv_attributes, plan_attributes, result_attributes
 from kvgate.gpu_executor.validate import Geometry, PlanError, PlanValidator
+from kvgate.protocol import step as wire
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import context_from_traceparent, span_context_from_traceparent
 
@@ -105,7 +105,7 @@ class Executor:
             max_model_len=config.max_model_len,
             host_snapshot_blocks=host_snapshot_blocks,
         )
-        self.info = api.ExecutorInfo(
+        self.info = wire.ExecutorInfo(
             executor_id=executor_id,
             model_family=config.family.value,
             num_loops=config.num_loops,
@@ -122,8 +122,8 @@ class Executor:
     # ------------------------------------------------------------------------ public API
 
     @property
-    def counters(self) -> api.ExecutorCounters:
-        return api.ExecutorCounters(
+    def counters(self) -> wire.ExecutorCounters:
+        return wire.ExecutorCounters(
             num_requests=len(self._requests) + len(self._snapshots),
             num_snapshots=len(self._snapshots),
             host_blocks_used=self._host_blocks,
@@ -141,9 +141,9 @@ class Executor:
         self._block_refs.clear()
         self._host_blocks = 0
 
-    def execute(self, plan: api.StepPlan) -> api.StepResult:
+    def execute(self, plan: wire.StepPlan) -> wire.StepResult:
         began = time.perf_counter()
-        error: api.StepError | None = None
+        error: wire.StepError | None = None
         try:
             PlanValidator(self._geometry, self._requests, self._snapshots).validate(plan)
         except PlanError as exc:
@@ -159,19 +159,19 @@ class Executor:
                     return self._run(plan, span, began)
                 except Exception as exc:  # a bug, not a bad plan: report it, keep serving
                     log.exception("step %d failed", plan.step_id)
-                    error = api.StepError(code=api.ErrorCode.INTERNAL, message=repr(exc))
+                    error = wire.StepError(code=wire.ErrorCode.INTERNAL, message=repr(exc))
             span.set_status(Status(StatusCode.ERROR, error.message))
             span.set_attribute(attr.STEP_ERROR_CODE, error.code.value)
-            return api.StepResult(
+            return wire.StepResult(
                 step_id=plan.step_id,
                 error=error,
                 counters=self.counters,
-                timings=api.StepTimings(execute_s=time.perf_counter() - began),
+                timings=wire.StepTimings(execute_s=time.perf_counter() - began),
             )
 
     # --------------------------------------------------------------------------- actions
 
-    def _run(self, plan: api.StepPlan, span: Span, began: float) -> api.StepResult:
+    def _run(self, plan: wire.StepPlan, span: Span, began: float) -> wire.StepResult:
         for rid in plan.free:
             self._free(rid)
         for rid in plan.swap_out:
@@ -197,17 +197,17 @@ class Executor:
             else:
                 decode.append(state)
         outcome = self._runner.run(prefill, decode)
-        result = api.StepResult(
+        result = wire.StepResult(
             step_id=plan.step_id,
             tokens=outcome.tokens,
-            decode=api.DecodeOutcomes(
+            decode=wire.DecodeOutcomes(
                 request_ids=[s.request_id for s in decode],
                 positions=outcome.decode_positions,
                 depths=outcome.decode_depths,
                 exited=outcome.decode_exited,
             ),
             skipped_request_ids=skipped,
-            timings=api.StepTimings(
+            timings=wire.StepTimings(
                 execute_s=time.perf_counter() - began, kernel_s=outcome.kernel_s
             ),
             counters=self.counters,
@@ -249,7 +249,7 @@ class Executor:
         self._snapshots[rid] = snapshot
         self._host_blocks += snapshot.num_blocks
 
-    def _swap_in(self, swap: api.SwapIn) -> None:
+    def _swap_in(self, swap: wire.SwapIn) -> None:
         snapshot = self._snapshots.pop(swap.request_id)
         state = snapshot.state
         block_ids = torch.tensor([b for table in swap.block_ids for b in table], dtype=torch.int64)
@@ -265,7 +265,7 @@ class Executor:
 
     # ------------------------------------------------------------------------- telemetry
 
-    def _links(self, plan: api.StepPlan) -> list[Link]:
+    def _links(self, plan: wire.StepPlan) -> list[Link]:
         """Links to the spans of every request the step serves (context from its traceparent)."""
         registering = {
             r.request_id: span_context_from_traceparent(r.traceparent) for r in plan.new_requests
@@ -289,7 +289,7 @@ class Executor:
 
     # ----------------------------------------------------------------------- calibration
 
-    def calibrate(self) -> api.ExecutorInfo:
+    def calibrate(self) -> wire.ExecutorInfo:
         """Measure the restore-cost figures the scheduler's ``auto`` mode weighs (host bandwidth,
         prefill time per token and pass) on an idle executor; updates and returns ``info``."""
         if self._requests or self._snapshots:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvgate.gpu_executor.api import LoopParams
+from kvgate.protocol.step import LoopParams
 
 
 class ExitPolicy(StrEnum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -43,7 +43,7 @@ class ExecutorMetrics:
         )
         self.blocks_total = Gauge("kvgate_executor_kv_blocks", "KV cache blocks", registry=r)
 
-    def observe(self, result: api.StepResult, prefill_rows: int, decode_rows: int) -> None:
+    def observe(self, result: wire.StepResult, prefill_rows: int, decode_rows: int) -> None:
         outcome = "ok" if result.error is None else result.error.code.value
         self.steps.labels(outcome=outcome).inc()
         self.step_seconds.observe(result.timings.execute_s)

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvgate.gpu_executor.api import NewRequest
 from kvgate.gpu_executor.exit_policy import ExitPolicy, decide, uses_gate
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import is_finished
 from kvgate.gpu_executor.sampler import SampleRow, sample
+from kvgate.protocol.step import NewRequest
 
 
 def dense_causal_attention(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry.trace import SpanContext
 
-from kvgate.gpu_executor.api import LoopParams, NewRequest, SamplingParams
+from kvgate.protocol.step import LoopParams, NewRequest, SamplingParams
 
 
 def is_finished(outputs: list[int], sampling: SamplingParams, eos_token_id: int | None) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgate.gpu_executor.api import SamplingParams
+from kvgate.protocol.step import SamplingParams
 
 
 @dataclass(frozen=True)

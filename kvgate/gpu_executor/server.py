@@ -29,15 +29,15 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter, ValidationError
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.metrics import ExecutorMetrics
+from kvgate.protocol import step as wire
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 OPEN_TIMEOUT_S = 30.0
-_CLIENT_MESSAGE: TypeAdapter[api.SessionOpen | api.StepPlan] = TypeAdapter(api.ClientMessage)
+_CLIENT_MESSAGE: TypeAdapter[wire.SessionOpen | wire.StepPlan] = TypeAdapter(wire.ClientMessage)
 
 
 @dataclass(eq=False)
@@ -45,7 +45,7 @@ class _Session:
     epoch: int
     session_id: str
     ws: web.WebSocketResponse
-    queue: asyncio.Queue[api.StepPlan | api.StepResult | None] = field(
+    queue: asyncio.Queue[wire.StepPlan | wire.StepResult | None] = field(
         default_factory=asyncio.Queue
     )
     fenced: bool = False  # read by the worker thread before each plan
@@ -175,8 +175,8 @@ class ExecutorServer:
 
     # ------------------------------------------------------------------------- sessions
 
-    async def _reject(self, ws: web.WebSocketResponse, code: api.ErrorCode, message: str) -> None:
-        error = api.ProtocolError(code=code, message=message)
+    async def _reject(self, ws: web.WebSocketResponse, code: wire.ErrorCode, message: str) -> None:
+        error = wire.ProtocolError(code=code, message=message)
         await ws.send_str(error.model_dump_json())
         await ws.close()
 
@@ -184,22 +184,22 @@ class ExecutorServer:
         try:
             msg = await ws.receive(timeout=OPEN_TIMEOUT_S)
         except TimeoutError:
-            await self._reject(ws, api.ErrorCode.PROTOCOL, "no SessionOpen in time")
+            await self._reject(ws, wire.ErrorCode.PROTOCOL, "no SessionOpen in time")
             return None
         opening = _parse(msg.data) if msg.type is WSMsgType.TEXT else None
-        if not isinstance(opening, api.SessionOpen):
+        if not isinstance(opening, wire.SessionOpen):
             self.metrics.sessions.labels(outcome="protocol_error").inc()
             await self._reject(
-                ws, api.ErrorCode.PROTOCOL, "the first message must be a SessionOpen"
+                ws, wire.ErrorCode.PROTOCOL, "the first message must be a SessionOpen"
             )
             return None
-        if opening.protocol_version != api.PROTOCOL_VERSION:
+        if opening.protocol_version != wire.PROTOCOL_VERSION:
             self.metrics.sessions.labels(outcome="protocol_error").inc()
             await self._reject(
                 ws,
-                api.ErrorCode.PROTOCOL,
+                wire.ErrorCode.PROTOCOL,
                 f"protocol version {opening.protocol_version}; this executor speaks "
-                f"{api.PROTOCOL_VERSION}",
+                f"{wire.PROTOCOL_VERSION}",
             )
             return None
         async with self._open_lock:
@@ -207,7 +207,7 @@ class ExecutorServer:
                 self.metrics.sessions.labels(outcome="stale").inc()
                 await self._reject(
                     ws,
-                    api.ErrorCode.STALE_EPOCH,
+                    wire.ErrorCode.STALE_EPOCH,
                     f"epoch {opening.epoch} is not newer than accepted epoch {self._max_epoch}",
                 )
                 return None
@@ -223,12 +223,12 @@ class ExecutorServer:
             self.metrics.sessions.labels(outcome="accepted").inc()
             self.metrics.epoch.set(opening.epoch)
             self._report_held(executor.counters)  # the reset dropped what was held
-            accepted = api.SessionAccepted(epoch=opening.epoch, info=executor.info)
+            accepted = wire.SessionAccepted(epoch=opening.epoch, info=executor.info)
             await ws.send_str(accepted.model_dump_json())
             log.info("session %s accepted at epoch %d", opening.session_id, opening.epoch)
             return session
 
-    def _report_held(self, counters: api.ExecutorCounters) -> None:
+    def _report_held(self, counters: wire.ExecutorCounters) -> None:
         self.metrics.requests.set(counters.num_requests)
         self.metrics.snapshots.set(counters.num_snapshots)
         self.metrics.host_blocks.set(counters.host_blocks_used)
@@ -237,7 +237,7 @@ class ExecutorServer:
         session.fenced = True
         session.queue.put_nowait(None)
         if not session.ws.closed:
-            error = api.ProtocolError(code=api.ErrorCode.STALE_EPOCH, message=reason)
+            error = wire.ProtocolError(code=wire.ErrorCode.STALE_EPOCH, message=reason)
             with contextlib.suppress(ConnectionError):
                 await session.ws.send_str(error.model_dump_json())
             await session.ws.close()
@@ -251,21 +251,23 @@ class ExecutorServer:
             if msg.type is not WSMsgType.TEXT:
                 if msg.type is WSMsgType.ERROR:
                     return
-                await self._reject(session.ws, api.ErrorCode.PROTOCOL, "messages must be text JSON")
+                await self._reject(
+                    session.ws, wire.ErrorCode.PROTOCOL, "messages must be text JSON"
+                )
                 return
             try:
                 message = _CLIENT_MESSAGE.validate_json(msg.data)
             except ValidationError as exc:
                 step_id = _step_id(msg.data)
                 if step_id is None:
-                    await self._reject(session.ws, api.ErrorCode.PROTOCOL, _first_error(exc))
+                    await self._reject(session.ws, wire.ErrorCode.PROTOCOL, _first_error(exc))
                     return
                 # A plan we cannot parse still gets its answer, in order with the others.
-                error = api.StepError(code=api.ErrorCode.BAD_PLAN, message=_first_error(exc))
-                session.queue.put_nowait(api.StepResult(step_id=step_id, error=error))
+                error = wire.StepError(code=wire.ErrorCode.BAD_PLAN, message=_first_error(exc))
+                session.queue.put_nowait(wire.StepResult(step_id=step_id, error=error))
                 continue
-            if isinstance(message, api.SessionOpen):
-                await self._reject(session.ws, api.ErrorCode.PROTOCOL, "session already open")
+            if isinstance(message, wire.SessionOpen):
+                await self._reject(session.ws, wire.ErrorCode.PROTOCOL, "session already open")
                 return
             session.queue.put_nowait(message)
 
@@ -274,8 +276,8 @@ class ExecutorServer:
         while (item := await session.queue.get()) is not None:
             if session.fenced:
                 return
-            if isinstance(item, api.StepResult):
-                result: api.StepResult | None = item
+            if isinstance(item, wire.StepResult):
+                result: wire.StepResult | None = item
                 self.metrics.observe(item, 0, 0)
             else:
                 result = await loop.run_in_executor(self._worker, self._execute, session, item)
@@ -297,14 +299,14 @@ class ExecutorServer:
                 )
                 return
 
-    def _execute(self, session: _Session, plan: api.StepPlan) -> api.StepResult | None:
+    def _execute(self, session: _Session, plan: wire.StepPlan) -> wire.StepResult | None:
         """On the worker thread: a fenced session's plans must not touch the new epoch's state."""
         if session.fenced or self.executor is None:
             return None
         return self.executor.execute(plan)
 
 
-def _parse(data: str) -> api.SessionOpen | api.StepPlan | None:
+def _parse(data: str) -> wire.SessionOpen | wire.StepPlan | None:
     try:
         return _CLIENT_MESSAGE.validate_json(data)
     except ValidationError:

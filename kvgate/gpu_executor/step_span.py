@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from opentelemetry.util.types import AttributeValue
 
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
 from kvgate.telemetry import attributes as attr
 
 
-def plan_attributes(plan: api.StepPlan, info: api.ExecutorInfo) -> dict[str, AttributeValue]:
+def plan_attributes(plan: wire.StepPlan, info: wire.ExecutorInfo) -> dict[str, AttributeValue]:
     """What the plan asks for, known before it runs (a rejected plan's span carries these too)."""
     return {
         attr.STEP_ID: plan.step_id,
@@ -27,7 +27,7 @@ def plan_attributes(plan: api.StepPlan, info: api.ExecutorInfo) -> dict[str, Att
 
 
 def result_attributes(
-    result: api.StepResult, token_passes_per_depth: list[int]
+    result: wire.StepResult, token_passes_per_depth: list[int]
 ) -> dict[str, AttributeValue]:
     """What the step did: rows run and skipped, tokens, depths, timings."""
     deepest = max((d + 1 for d, n in enumerate(token_passes_per_depth) if n), default=0)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvgate.gpu_executor.api import (
+from kvgate.gpu_executor.requests import RequestState, Snapshot
+from kvgate.protocol.step import (
     DecodeRows,
     ErrorCode,
     NewRequest,
@@ -17,7 +18,6 @@ from kvgate.gpu_executor.api import (
     StepError,
     StepPlan,
 )
-from kvgate.gpu_executor.requests import RequestState, Snapshot
 
 
 class PlanError(Exception):

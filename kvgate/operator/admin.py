@@ -16,7 +16,7 @@ from urllib.parse import quote
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
-from kvgate.admission_service.admin_api import (
+from kvgate.protocol.admin import (
     AdminError,
     ExecutorMembership,
     ExecutorSet,

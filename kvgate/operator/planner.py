@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState, ExecutorStatus
 from kvgate.operator.naming import executor_pod_name, step_endpoint
 from kvgate.operator.observe import ObservedPod, PodPhase
 from kvgate.operator.status import ExecutorEntry
+from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
 
 _STOPPED = (PodPhase.FAILED, PodPhase.SUCCEEDED)
 _DRAINING_STATES = (ExecutorState.DRAINING, ExecutorState.DRAINED)

@@ -21,7 +21,6 @@ from typing import Protocol
 import aiohttp
 from pydantic import ValidationError
 
-from kvgate.admission_service.admin_api import ExecutorSet, ExecutorStatus
 from kvgate.operator import planner
 from kvgate.operator.admin import AdminClient, AdminRejected, AdminUnavailable, admin_url
 from kvgate.operator.builders import (
@@ -71,6 +70,7 @@ from kvgate.operator.report import (
     problem_status_patch,
 )
 from kvgate.operator.status import ConditionType, Phase, PoolStatus
+from kvgate.protocol.admin import ExecutorSet, ExecutorStatus
 
 
 class EventSink(Protocol):

@@ -14,14 +14,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState
 from kvgate.admission_service.engine import Engine, EngineSettings
-from kvgate.admission_service.messages import InferenceResult, ResultStatus, SourceRef, TokenChunk
+from kvgate.admission_service.executor_handle import SessionSettings
 from kvgate.admission_service.metrics import ServiceMetrics
-from kvgate.admission_service.pool import SessionSettings
 from kvgate.admission_service.scheduler.config import PreemptionMode, SchedulerConfig
 from kvgate.admission_service.settings import LimitsSettings
-from kvgate.admission_service.sim_executor import LocalConnector, SimExecutorConfig
 from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.validation import (
     Accepted,
@@ -29,6 +26,9 @@ from kvgate.admission_service.validation import (
     Rejection,
     validate_request,
 )
+from kvgate.protocol.admin import ExecutorSpec, ExecutorState
+from kvgate.protocol.records import InferenceResult, ResultStatus, SourceRef, TokenChunk
+from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 
 TOPIC = "kvgate.requests"
 

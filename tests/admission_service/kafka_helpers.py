@@ -15,7 +15,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from kvgate.admission_service.messages import DeadLetter, InferenceResult
+from kvgate.protocol.records import DeadLetter, InferenceResult
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvgate.admission_service.admin import AdminApi
-from kvgate.admission_service.admin_api import (
+from kvgate.admission_service.metrics import StateSnapshot
+from kvgate.protocol.admin import (
     AdminError,
     ExecutorMembership,
     ExecutorSet,
@@ -17,8 +18,7 @@ from kvgate.admission_service.admin_api import (
     ExecutorState,
     ExecutorStatus,
 )
-from kvgate.admission_service.metrics import StateSnapshot
-from kvgate.admission_service.sim_executor import SimExecutorConfig
+from kvgate.sim.backend import SimExecutorConfig
 
 from .helpers import EngineRig, make_rig, request_body, settle, until
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.admission_service.embedded_broker import EmbeddedBroker
+from kvgate.local.embedded_broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.admission_service.delivery import (
+from kvgate.admission_service.offsets import (
     CommitPoint,
     PartitionLedger,
     decode_metadata,

@@ -17,8 +17,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 
-from kvgate.admission_service import embedded_broker
-from kvgate.admission_service.embedded_broker import (
+from kvgate.local import embedded_broker
+from kvgate.local.embedded_broker import (
     EmbeddedBroker,
     EmbeddedBrokerError,
     EmbeddedBrokerSettings,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState
-from kvgate.admission_service.messages import (
+from kvgate.protocol.admin import ExecutorSpec, ExecutorState
+from kvgate.protocol.records import (
     FinishReason,
     RejectCode,
     ResultStatus,

@@ -12,7 +12,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState
 from kvgate.admission_service.engine import Engine
 from kvgate.admission_service.executor_client import (
     ConnectFailed,
@@ -21,13 +20,14 @@ from kvgate.admission_service.executor_client import (
     SessionRefused,
     WebSocketConnector,
 )
-from kvgate.admission_service.messages import ResultStatus
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import Scheduler
-from kvgate.admission_service.sim_executor import SimBackend, SimExecutorConfig
-from kvgate.admission_service.sim_server import SimExecutorServer
-from kvgate.gpu_executor import api
-from kvgate.gpu_executor.api import SamplingParams
+from kvgate.protocol import step as wire
+from kvgate.protocol.admin import ExecutorSpec, ExecutorState
+from kvgate.protocol.records import ResultStatus
+from kvgate.protocol.step import SamplingParams
+from kvgate.sim.backend import SimBackend, SimExecutorConfig
+from kvgate.sim.server import SimExecutorServer
 
 from .helpers import make_rig, reference_outputs, request_body, settle, until
 
@@ -70,7 +70,7 @@ async def test_session_runs_plans_in_order_with_one_in_flight(http: aiohttp.Clie
     try:
         session = await connector(http)(url(server), epoch=5)
         assert session.info.num_blocks == 64 and backend.max_epoch == 5
-        from kvgate.admission_service.pool import scheduler_for
+        from kvgate.admission_service.executor_handle import scheduler_for
         from kvgate.admission_service.scheduler.config import SchedulerConfig
 
         scheduler: Scheduler = scheduler_for(
@@ -106,11 +106,11 @@ async def test_wrong_token_and_stale_epoch_are_refused(http: aiohttp.ClientSessi
     try:
         with pytest.raises(SessionRefused) as wrong:
             await connector(http, token="nope")(url(server), epoch=1)
-        assert wrong.value.code is api.ErrorCode.UNAUTHORIZED
+        assert wrong.value.code is wire.ErrorCode.UNAUTHORIZED
         session = await connector(http)(url(server), epoch=10)
         with pytest.raises(SessionRefused) as stale:
             await connector(http)(url(server), epoch=10)
-        assert stale.value.code is api.ErrorCode.STALE_EPOCH
+        assert stale.value.code is wire.ErrorCode.STALE_EPOCH
         await session.close()
     finally:
         await server.close()
@@ -150,7 +150,7 @@ async def test_a_result_that_never_comes_is_a_loss(http: aiohttp.ClientSession) 
         await ws.prepare(request)
         await ws.receive()
         info = SimBackend(SimExecutorConfig()).info
-        await ws.send_str(api.SessionAccepted(epoch=1, info=info).model_dump_json())
+        await ws.send_str(wire.SessionAccepted(epoch=1, info=info).model_dump_json())
         async for _ in ws:
             pass  # reads plans, never answers
         return ws
@@ -161,7 +161,7 @@ async def test_a_result_that_never_comes_is_a_loss(http: aiohttp.ClientSession) 
     await server.start_server()
     try:
         session = await connector(http, step_timeout_s=0.3)(url(server), epoch=1)
-        await session.send(api.StepPlan(step_id=1))
+        await session.send(wire.StepPlan(step_id=1))
         with pytest.raises(SessionLost, match="no step result within"):
             await session.receive()
         await session.close()
@@ -228,7 +228,7 @@ async def test_a_new_session_opens_after_the_old_client_vanished(
     try:
         async with aiohttp.ClientSession() as doomed:
             ws = await doomed.ws_connect(url(server), headers={"Authorization": f"Bearer {TOKEN}"})
-            await ws.send_str(api.SessionOpen(epoch=1, session_id="old").model_dump_json())
+            await ws.send_str(wire.SessionOpen(epoch=1, session_id="old").model_dump_json())
             await ws.receive(timeout=5)
         # The old client is gone without a WebSocket close. A new one opens at once.
         session = await asyncio.wait_for(connector(http)(url(server), epoch=2), 5)

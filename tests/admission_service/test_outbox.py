@@ -13,17 +13,17 @@ import pytest
 from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import OffsetAndMetadata
 
-from kvgate.admission_service.delivery import PartitionLedger, decode_metadata
-from kvgate.admission_service.messages import (
+from kvgate.admission_service.metrics import ServiceMetrics
+from kvgate.admission_service.offsets import PartitionLedger, decode_metadata
+from kvgate.admission_service.outbox import Outbox
+from kvgate.admission_service.settings import KafkaSettings
+from kvgate.protocol.records import (
     InferenceResult,
     ResultStatus,
     SourceRef,
     Timings,
     Usage,
 )
-from kvgate.admission_service.metrics import ServiceMetrics
-from kvgate.admission_service.outbox import Outbox
-from kvgate.admission_service.settings import KafkaSettings
 
 pytestmark = pytest.mark.timeout(30)
 KAFKA = KafkaSettings(bootstrap_servers="k:1", request_topic="req", result_topic="res")

@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from kvgate.admission_service.embedded_broker import EmbeddedBroker
-from kvgate.admission_service.messages import (
+from kvgate.admission_service.service import AdmissionService
+from kvgate.admission_service.settings import ServiceSettings, load_settings
+from kvgate.local.embedded_broker import EmbeddedBroker
+from kvgate.protocol.records import (
     DLQ_CODE_HEADER,
     RejectCode,
     ResultStatus,
     TokenChunk,
 )
-from kvgate.admission_service.service import AdmissionService
-from kvgate.admission_service.settings import ServiceSettings, load_settings
-from kvgate.admission_service.sim_executor import LocalConnector, SimExecutorConfig
+from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 
 from .helpers import request_body, until
 from .kafka_helpers import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.admission_service.messages import TRACEPARENT_HEADER
+from kvgate.protocol.records import TRACEPARENT_HEADER
 from kvgate.telemetry import attributes as attr
 
 from .helpers import make_rig, record, request_body, settle

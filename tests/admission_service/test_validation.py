@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from kvgate.admission_service.messages import RejectCode
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.tokenizer import TokenizerError, load_tokenizer
 from kvgate.admission_service.validation import (
@@ -19,6 +18,7 @@ from kvgate.admission_service.validation import (
     validate_abort,
     validate_request,
 )
+from kvgate.protocol.records import RejectCode
 
 from .helpers import record, request_body
 
@@ -179,7 +179,7 @@ def test_aborts_are_validated_too() -> None:
 
 def test_spec_parameters_equal_validated_protocol_models() -> None:
     """build_spec skips re-validation; what it builds must equal what validation would."""
-    from kvgate.gpu_executor.api import LoopParams, SamplingParams
+    from kvgate.protocol.step import LoopParams, SamplingParams
 
     body = request_body("eq", prompt=[1, 2], max_tokens=7)
     body["sampling"] = {"temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
+from kvgate.protocol import step as wire
 
 
 @dataclass
@@ -33,10 +33,10 @@ class DriverConfig:
 class _PlanParts:
     free: list[str] = field(default_factory=list)
     swap_out: list[str] = field(default_factory=list)
-    new: list[api.NewRequest] = field(default_factory=list)
-    swap_in: list[api.SwapIn] = field(default_factory=list)
-    appends: list[api.BlockAppend] = field(default_factory=list)
-    prefill: list[api.PrefillRow] = field(default_factory=list)
+    new: list[wire.NewRequest] = field(default_factory=list)
+    swap_in: list[wire.SwapIn] = field(default_factory=list)
+    appends: list[wire.BlockAppend] = field(default_factory=list)
+    prefill: list[wire.PrefillRow] = field(default_factory=list)
     decode_ids: list[str] = field(default_factory=list)
     positions: list[int | None] = field(default_factory=list)
     depths: list[int | None] = field(default_factory=list)
@@ -44,7 +44,7 @@ class _PlanParts:
 
 @dataclass
 class _Request:
-    new: api.NewRequest
+    new: wire.NewRequest
     arrival: int
     outputs: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
@@ -64,7 +64,7 @@ class _Request:
 
 class Driver:
     def __init__(
-        self, executor: Executor, requests: list[tuple[api.NewRequest, int]], cfg: DriverConfig
+        self, executor: Executor, requests: list[tuple[wire.NewRequest, int]], cfg: DriverConfig
     ):
         self.ex = executor
         self.cfg = cfg
@@ -76,7 +76,7 @@ class Driver:
         self.free_blocks = ids
         self.reqs = {r.request_id: _Request(r, arrival) for r, arrival in requests}
         self.step = 0
-        self.results: list[api.StepResult] = []
+        self.results: list[wire.StepResult] = []
         self.max_rows_seen = 0
         self.mixed_steps = 0
 
@@ -86,7 +86,7 @@ class Driver:
         return {rid: (r.outputs, r.exit_depths) for rid, r in self.reqs.items()}
 
     def run(self, max_steps: int = 2000) -> dict[str, tuple[list[int], list[int]]]:
-        in_flight: api.StepPlan | None = None
+        in_flight: wire.StepPlan | None = None
         while not all(r.freed for r in self.reqs.values()):
             if self.step >= max_steps:
                 raise AssertionError(f"driver made no progress in {max_steps} steps")
@@ -101,7 +101,7 @@ class Driver:
             self._execute(in_flight)
         return self.outputs()
 
-    def _execute(self, plan: api.StepPlan) -> None:
+    def _execute(self, plan: wire.StepPlan) -> None:
         result = self.ex.execute(plan)
         if result.error is not None:
             raise AssertionError(f"step {plan.step_id} rejected: {result.error}")
@@ -117,7 +117,7 @@ class Driver:
         return taken
 
     def _ensure_pages(
-        self, req: _Request, num_positions: int, appends: list[api.BlockAppend]
+        self, req: _Request, num_positions: int, appends: list[wire.BlockAppend]
     ) -> None:
         have = len(req.tables[0])
         need = -(-num_positions // self.bs)
@@ -125,7 +125,7 @@ class Driver:
             new = [self._take(need - have) for _ in range(self.loops)]
             for table, ids in zip(req.tables, new, strict=True):
                 table.extend(ids)
-            appends.append(api.BlockAppend(request_id=req.new.request_id, new_block_ids=new))
+            appends.append(wire.BlockAppend(request_id=req.new.request_id, new_block_ids=new))
 
     def _release(self, req: _Request) -> None:
         for table in req.tables:
@@ -134,7 +134,7 @@ class Driver:
 
     # ---------------------------------------------------------------------------- plans
 
-    def _plan(self) -> api.StepPlan:
+    def _plan(self) -> wire.StepPlan:
         self.step += 1
         plan = _PlanParts()
         active = []
@@ -158,7 +158,7 @@ class Driver:
                 if req.swapped_pages is not None:
                     tables = [self._take(req.swapped_pages) for _ in range(self.loops)]
                     req.tables = tables
-                    plan.swap_in.append(api.SwapIn(request_id=rid, block_ids=tables))
+                    plan.swap_in.append(wire.SwapIn(request_id=rid, block_ids=tables))
                     req.swapped_pages = None
                     req.registered = True
                 else:
@@ -184,7 +184,7 @@ class Driver:
         if plan.prefill and plan.decode_ids:
             self.mixed_steps += 1
         self.max_rows_seen = max(self.max_rows_seen, rows)
-        return api.StepPlan(
+        return wire.StepPlan(
             step_id=self.step,
             free=plan.free,
             swap_out=plan.swap_out,
@@ -192,7 +192,7 @@ class Driver:
             swap_in=plan.swap_in,
             block_appends=plan.appends,
             prefill_rows=plan.prefill,
-            decode=api.DecodeRows(
+            decode=wire.DecodeRows(
                 request_ids=plan.decode_ids, positions=plan.positions, depths=plan.depths
             ),
         )
@@ -217,7 +217,7 @@ class Driver:
         prompt_len = len(req.new.prompt_token_ids)
         return prompt_len + max(len(req.outputs) - 1, 0) + req.rows_in_flight
 
-    def _register(self, req: _Request) -> api.NewRequest:
+    def _register(self, req: _Request) -> wire.NewRequest:
         rid = req.new.request_id
         restore = req.new.model_copy(
             update={"output_token_ids": list(req.outputs), "exit_depths": list(req.exit_depths)}
@@ -234,7 +234,7 @@ class Driver:
         assert rid == restore.request_id
         return restore
 
-    def _fill_rows(self, req: _Request, appends: list[api.BlockAppend]) -> list[api.PrefillRow]:
+    def _fill_rows(self, req: _Request, appends: list[wire.BlockAppend]) -> list[wire.PrefillRow]:
         rid = req.new.request_id
         last = len(req.chunks) - 1
         if not self.cfg.wavefront:
@@ -245,7 +245,7 @@ class Driver:
                 req.done_tasks.add((index, depth))
             req.fill_planned = index == last
             return [
-                api.PrefillRow(
+                wire.PrefillRow(
                     request_id=rid,
                     token_start=start,
                     token_end=end,
@@ -268,7 +268,7 @@ class Driver:
             self._ensure_pages(req, end, appends)
             completes = c == last and d == self.loops
             rows.append(
-                api.PrefillRow(
+                wire.PrefillRow(
                     request_id=rid,
                     token_start=start,
                     token_end=end,
@@ -308,7 +308,7 @@ class Driver:
 
     # ---------------------------------------------------------------------------- results
 
-    def _apply(self, plan: api.StepPlan, result: api.StepResult) -> None:
+    def _apply(self, plan: wire.StepPlan, result: wire.StepResult) -> None:
         for token in result.tokens:
             req = self.reqs[token.request_id]
             expected_position = len(req.new.prompt_token_ids) + len(req.outputs)

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_refuses_to_start(
     assert message in done.stderr
 
 
-async def _serve_one_plan(port: int, token: str) -> api.StepResult:
+async def _serve_one_plan(port: int, token: str) -> wire.StepResult:
     deadline = time.monotonic() + 120
     async with aiohttp.ClientSession() as http:
         while True:
@@ -74,22 +74,22 @@ async def _serve_one_plan(port: int, token: str) -> api.StepResult:
             await asyncio.sleep(0.2)
         headers = {"Authorization": f"Bearer {token}"}
         async with http.ws_connect(f"http://127.0.0.1:{port}/v1/steps", headers=headers) as ws:
-            await ws.send_str(api.SessionOpen(epoch=1, session_id="cli").model_dump_json())
-            accepted = api.SessionAccepted.model_validate_json(await ws.receive_str(timeout=30))
+            await ws.send_str(wire.SessionOpen(epoch=1, session_id="cli").model_dump_json())
+            accepted = wire.SessionAccepted.model_validate_json(await ws.receive_str(timeout=30))
             assert accepted.info.host_bandwidth_bytes_per_s is not None  # calibrated at start
-            plan = api.StepPlan(
+            plan = wire.StepPlan(
                 step_id=1,
-                new_requests=[api.NewRequest(request_id="r", prompt_token_ids=[1, 2, 3])],
-                block_appends=[api.BlockAppend(request_id="r", new_block_ids=[[0]])],
+                new_requests=[wire.NewRequest(request_id="r", prompt_token_ids=[1, 2, 3])],
+                block_appends=[wire.BlockAppend(request_id="r", new_block_ids=[[0]])],
                 prefill_rows=[
-                    api.PrefillRow(
+                    wire.PrefillRow(
                         request_id="r", token_start=0, token_end=3, depth_first=1, depth_last=1,
                         completes_fill=True,
                     )
                 ],
             )  # fmt: skip
             await ws.send_str(plan.model_dump_json())
-            return api.StepResult.model_validate(json.loads(await ws.receive_str(timeout=30)))
+            return wire.StepResult.model_validate(json.loads(await ws.receive_str(timeout=30)))
 
 
 def test_serves_plans_and_stops_on_sigterm(llama_dir: Path, tmp_path: Path) -> None:

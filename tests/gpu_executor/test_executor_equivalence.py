@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.loader import LoadedModel
+from kvgate.protocol import step as wire
 from tests.gpu_executor.driver import Driver, DriverConfig
 from tests.gpu_executor.workloads import mixed_requests, reference_outputs
 
@@ -52,7 +52,7 @@ def test_executor_matches_reference(family_model: LoadedModel, scenario: str) ->
 
     assert driver.run() == expected
     # Nothing leaks: every request and snapshot is gone, host blocks returned.
-    assert executor.counters == api.ExecutorCounters()
+    assert executor.counters == wire.ExecutorCounters()
     assert executor.blocks_used == 0
     assert driver.max_rows_seen > 1  # requests really shared steps
 
@@ -61,10 +61,10 @@ def test_scenarios_exercise_what_they_name(looped: LoadedModel) -> None:
     """Guards the scenarios themselves: the moves they name actually happen in their plans."""
     requests = mixed_requests(looped, count=6, seed=0)
     driver = Driver(_executor(looped), requests, SCENARIOS["async-wavefront-swap-recompute"])
-    plans: list[api.StepPlan] = []
+    plans: list[wire.StepPlan] = []
     original = driver.ex.execute
 
-    def recording(plan: api.StepPlan) -> api.StepResult:
+    def recording(plan: wire.StepPlan) -> wire.StepResult:
         plans.append(plan)
         return original(plan)
 
@@ -91,7 +91,7 @@ def test_scenarios_exercise_what_they_name(looped: LoadedModel) -> None:
 
 def test_fixed_policy_runs_every_loop(looped: LoadedModel) -> None:
     requests = [
-        (r.model_copy(update={"loops": api.LoopParams()}), arrival)
+        (r.model_copy(update={"loops": wire.LoopParams()}), arrival)
         for r, arrival in mixed_requests(looped, count=3, seed=4)
     ]
     expected = reference_outputs(looped, requests, ExitPolicy.FIXED)
@@ -103,11 +103,11 @@ def test_fixed_policy_runs_every_loop(looped: LoadedModel) -> None:
 
 def test_exit_trace_forces_depths(looped: LoadedModel) -> None:
     trace = [3, 1, 2, 2, 3, 1]
-    request = api.NewRequest(
+    request = wire.NewRequest(
         request_id="traced",
         prompt_token_ids=[5, 6, 7],
-        sampling=api.SamplingParams(max_tokens=6),
-        loops=api.LoopParams(exit_trace=trace, exit_threshold=0.0),
+        sampling=wire.SamplingParams(max_tokens=6),
+        loops=wire.LoopParams(exit_trace=trace, exit_threshold=0.0),
     )
     driver = Driver(_executor(looped), [(request, 1)], DriverConfig(chunk_size=2))
     outputs, depths = driver.run()["traced"]
@@ -120,24 +120,24 @@ def test_fill_after_a_shared_cached_prefix(family_model: LoadedModel) -> None:
     owns (prefix caching): the second request reads them, never writes them."""
     loops = family_model.model.num_loops
     prefix = [11, 12, 13, 14, 15, 16, 17, 18]  # two 4-token blocks
-    first = api.NewRequest(request_id="first", prompt_token_ids=[*prefix, 3, 4])
-    second = api.NewRequest(
+    first = wire.NewRequest(request_id="first", prompt_token_ids=[*prefix, 3, 4])
+    second = wire.NewRequest(
         request_id="second",
         prompt_token_ids=[*prefix, 9, 9, 9],
-        sampling=api.SamplingParams(max_tokens=5),
+        sampling=wire.SamplingParams(max_tokens=5),
     )
     ex = _executor(family_model)
     tables_first = [[10 * d + i for i in range(3)] for d in range(loops)]
     shared = [table[:2] for table in tables_first]
     tables_second = [[*table, 100 + d, 110 + d] for d, table in enumerate(shared)]
 
-    def fill(request: api.NewRequest, tables: list[list[int]], start: int, step: int) -> None:
-        plan = api.StepPlan(
+    def fill(request: wire.NewRequest, tables: list[list[int]], start: int, step: int) -> None:
+        plan = wire.StepPlan(
             step_id=step,
             new_requests=[request],
-            block_appends=[api.BlockAppend(request_id=request.request_id, new_block_ids=tables)],
+            block_appends=[wire.BlockAppend(request_id=request.request_id, new_block_ids=tables)],
             prefill_rows=[
-                api.PrefillRow(
+                wire.PrefillRow(
                     request_id=request.request_id,
                     token_start=start,
                     token_end=len(request.prompt_token_ids),
@@ -158,8 +158,8 @@ def test_fill_after_a_shared_cached_prefix(family_model: LoadedModel) -> None:
     depths = [ex._requests["second"].exit_depths[0]]
     step = 3
     while len(tokens) < 5:
-        decode = api.DecodeRows(request_ids=["second"], positions=[None], depths=[None])
-        result = ex.execute(api.StepPlan(step_id=step, decode=decode))
+        decode = wire.DecodeRows(request_ids=["second"], positions=[None], depths=[None])
+        result = ex.execute(wire.StepPlan(step_id=step, decode=decode))
         assert result.error is None
         tokens += [t.token_id for t in result.tokens]
         depths += [t.exit_depth for t in result.tokens]
@@ -168,13 +168,13 @@ def test_fill_after_a_shared_cached_prefix(family_model: LoadedModel) -> None:
 
 
 def test_a_fill_cannot_start_inside_a_block(llama: LoadedModel) -> None:
-    request = api.NewRequest(request_id="r", prompt_token_ids=list(range(1, 10)))
-    plan = api.StepPlan(
+    request = wire.NewRequest(request_id="r", prompt_token_ids=list(range(1, 10)))
+    plan = wire.StepPlan(
         step_id=1,
         new_requests=[request],
-        block_appends=[api.BlockAppend(request_id="r", new_block_ids=[[0, 1, 2]])],
+        block_appends=[wire.BlockAppend(request_id="r", new_block_ids=[[0, 1, 2]])],
         prefill_rows=[
-            api.PrefillRow(request_id="r", token_start=6, token_end=9, depth_first=1, depth_last=1)
+            wire.PrefillRow(request_id="r", token_start=6, token_end=9, depth_first=1, depth_last=1)
         ],
     )
     result = _executor(llama).execute(plan)
@@ -200,4 +200,4 @@ def test_random_plan_shapes_match_reference(family_model: LoadedModel, seed: int
     )
     executor = _executor(family_model)
     assert Driver(executor, requests, config).run() == reference_outputs(family_model, requests)
-    assert executor.counters == api.ExecutorCounters() and executor.blocks_used == 0
+    assert executor.counters == wire.ExecutorCounters() and executor.blocks_used == 0

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import DType, load_model
+from kvgate.protocol import step as wire
 from tests.gpu_executor.driver import Driver, DriverConfig
 from tests.gpu_executor.workloads import mixed_requests, reference_outputs
 
@@ -30,7 +30,7 @@ def test_cuda_fp32_matches_the_reference(request: pytest.FixtureRequest, family:
     )  # fmt: skip
     driver = Driver(executor, requests, config)
     assert driver.run() == expected
-    assert executor.counters == api.ExecutorCounters()
+    assert executor.counters == wire.ExecutorCounters()
     kernel_s = [r.timings.kernel_s for r in driver.results if r.decode.request_ids]
     assert all(k is not None and k > 0.0 for k in kernel_s)
 
@@ -44,24 +44,24 @@ def test_memory_fraction_sizing_and_pinned_snapshots(looped_dir: Path) -> None:
     assert executor.info.num_blocks >= 1
     assert executor.info.num_blocks * executor.info.kv_bytes_per_block <= 0.05 * total
     assert executor.cache.keys.is_cuda and executor.cache.keys.dtype == torch.bfloat16
-    request = api.NewRequest(request_id="r", prompt_token_ids=list(range(1, 20)))
-    fill = api.StepPlan(
+    request = wire.NewRequest(request_id="r", prompt_token_ids=list(range(1, 20)))
+    fill = wire.StepPlan(
         step_id=1,
         new_requests=[request],
-        block_appends=[api.BlockAppend(request_id="r", new_block_ids=[[0, 1], [2, 3], [4, 5]])],
+        block_appends=[wire.BlockAppend(request_id="r", new_block_ids=[[0, 1], [2, 3], [4, 5]])],
         prefill_rows=[
-            api.PrefillRow(
+            wire.PrefillRow(
                 request_id="r", token_start=0, token_end=19, depth_first=1, depth_last=3,
                 completes_fill=True,
             )
         ],
     )  # fmt: skip
     assert executor.execute(fill).error is None
-    assert executor.execute(api.StepPlan(step_id=2, swap_out=["r"])).error is None
+    assert executor.execute(wire.StepPlan(step_id=2, swap_out=["r"])).error is None
     snapshot = executor._snapshots["r"]
     assert snapshot.keys.is_pinned() and snapshot.values.is_pinned()
-    swap_in = api.SwapIn(request_id="r", block_ids=[[10, 11], [12, 13], [14, 15]])
-    decode = api.DecodeRows(request_ids=["r"], positions=[19], depths=[1])
-    result = executor.execute(api.StepPlan(step_id=3, swap_in=[swap_in], decode=decode))
+    swap_in = wire.SwapIn(request_id="r", block_ids=[[10, 11], [12, 13], [14, 15]])
+    decode = wire.DecodeRows(request_ids=["r"], positions=[19], depths=[1])
+    result = executor.execute(wire.StepPlan(step_id=3, swap_in=[swap_in], decode=decode))
     assert result.error is None and result.timings.kernel_s is not None
     assert 0.0 < result.timings.kernel_s < result.timings.execute_s

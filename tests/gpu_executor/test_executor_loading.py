@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.config import CheckpointError, ModelFamily, RopeScaling, RopeType
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import DType, load_model
 from kvgate.gpu_executor.reference import dense_causal_attention, reference_generate
 from kvgate.gpu_executor.rope import inverse_frequencies
 from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+from kvgate.protocol import step as wire
 from tests.gpu_executor.hf_forward import hf_last_logits
 
 SMALL = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
@@ -76,7 +76,7 @@ def test_sharded_checkpoint_equals_single_file(tmp_path: Path) -> None:
     index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 3
     sharded = load_model(sharded_dir)
-    request = api.NewRequest(request_id="r", prompt_token_ids=[1, 2, 3])
+    request = wire.NewRequest(request_id="r", prompt_token_ids=[1, 2, 3])
     assert reference_generate(single.model, request) == reference_generate(sharded.model, request)
     assert torch.equal(single.model.weights.lm_head, sharded.model.weights.lm_head)
 
@@ -166,10 +166,10 @@ def test_rope_scaling_from_config_changes_outputs(tmp_path: Path) -> None:
     scaled_spec = spec.model_copy(update={"rope_scaling": {"rope_type": "linear", "factor": 3.0}})
     scaled = load_model(make_tiny_model(tmp_path / "b", scaled_spec)).model
     assert scaled.config.rope_scaling.rope_type is RopeType.LINEAR
-    request = api.NewRequest(
+    request = wire.NewRequest(
         request_id="r",
         prompt_token_ids=list(range(1, 30)),
-        sampling=api.SamplingParams(max_tokens=8),
+        sampling=wire.SamplingParams(max_tokens=8),
     )
     assert reference_generate(plain, request) != reference_generate(scaled, request)
 

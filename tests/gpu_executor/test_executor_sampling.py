@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import LoadedModel, load_model
 from kvgate.gpu_executor.reference import reference_generate
 from kvgate.gpu_executor.sampler import SampleRow, draw_seed, filtered_probs, sample
+from kvgate.protocol import step as wire
 from tests.gpu_executor.driver import Driver, DriverConfig
 from tests.gpu_executor.hf_forward import hf_last_logits
 from tests.gpu_executor.workloads import reference_outputs
@@ -30,38 +30,38 @@ def test_draw_seed_is_stable_and_separates_its_inputs() -> None:
 
 def test_greedy_takes_the_argmax() -> None:
     logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
-    rows = [SampleRow("a", 0, api.SamplingParams()), SampleRow("b", 0, api.SamplingParams())]
+    rows = [SampleRow("a", 0, wire.SamplingParams()), SampleRow("b", 0, wire.SamplingParams())]
     assert sample(logits, rows) == [1, 0]
 
 
 def test_top_k_keeps_only_the_k_largest() -> None:
     logits = torch.tensor([1.0, 4.0, 3.0, 2.0, 0.0])
-    probs = filtered_probs(logits, api.SamplingParams(temperature=1.0, top_k=2))
+    probs = filtered_probs(logits, wire.SamplingParams(temperature=1.0, top_k=2))
     assert (probs > 0).tolist() == [False, True, True, False, False]
     torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     logits = torch.log(torch.tensor([0.5, 0.1, 0.3, 0.1]))
-    kept = filtered_probs(logits, api.SamplingParams(temperature=1.0, top_p=0.75)) > 0
+    kept = filtered_probs(logits, wire.SamplingParams(temperature=1.0, top_p=0.75)) > 0
     assert kept.tolist() == [True, False, True, False]  # 0.5 + 0.3 >= 0.75
-    kept = filtered_probs(logits, api.SamplingParams(temperature=1.0, top_p=0.5)) > 0
+    kept = filtered_probs(logits, wire.SamplingParams(temperature=1.0, top_p=0.5)) > 0
     assert kept.tolist() == [True, False, False, False]  # the top token alone reaches 0.5
-    kept = filtered_probs(logits, api.SamplingParams(temperature=1.0, top_p=0.05)) > 0
+    kept = filtered_probs(logits, wire.SamplingParams(temperature=1.0, top_p=0.05)) > 0
     assert kept.tolist() == [True, False, False, False]  # the top token always survives
 
 
 def test_temperature_sharpens_and_flattens() -> None:
     logits = torch.tensor([2.0, 1.0, 0.0])
-    cold = filtered_probs(logits, api.SamplingParams(temperature=0.25))
-    hot = filtered_probs(logits, api.SamplingParams(temperature=4.0))
+    cold = filtered_probs(logits, wire.SamplingParams(temperature=0.25))
+    hot = filtered_probs(logits, wire.SamplingParams(temperature=4.0))
     assert cold[0] > 0.98 and hot[0] < 0.45
 
 
 def test_draws_follow_the_distribution() -> None:
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     logits = torch.log(probs)
-    params = api.SamplingParams(temperature=1.0, seed=9)
+    params = wire.SamplingParams(temperature=1.0, seed=9)
     draws = 4000
     rows = [SampleRow("r", position, params) for position in range(draws)]
     tokens = sample(logits.expand(draws, 4), rows)
@@ -72,7 +72,7 @@ def test_draws_follow_the_distribution() -> None:
 def test_a_row_draws_the_same_token_in_any_batch() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=gen)
-    params = api.SamplingParams(temperature=1.0, top_p=0.9, seed=4)
+    params = wire.SamplingParams(temperature=1.0, top_p=0.9, seed=4)
     rows = [SampleRow(f"r{i}", 10 + i, params) for i in range(6)]
     together = sample(logits, rows)
     alone = [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
@@ -86,8 +86,8 @@ def test_reference_decode_matches_full_recompute(llama_dir: Path, llama: LoadedM
     config = json.loads((llama_dir / "config.json").read_text())
     tensors = load_file(str(llama_dir / "model.safetensors"))
     prompt = [4, 9, 33, 2, 71]
-    request = api.NewRequest(
-        request_id="r", prompt_token_ids=prompt, sampling=api.SamplingParams(max_tokens=6)
+    request = wire.NewRequest(
+        request_id="r", prompt_token_ids=prompt, sampling=wire.SamplingParams(max_tokens=6)
     )
     outputs = reference_generate(llama.model, request).output_token_ids
     for i, token in enumerate(outputs):
@@ -107,14 +107,14 @@ def test_eos_stops_generation_and_rows_after_it_are_skipped(
     llama_dir: Path, llama: LoadedModel, tmp_path: Path
 ) -> None:
     prompt = [7, 8, 9]
-    probe = api.NewRequest(
+    probe = wire.NewRequest(
         request_id="stop",
         prompt_token_ids=prompt,
-        sampling=api.SamplingParams(max_tokens=12, ignore_eos=True),
+        sampling=wire.SamplingParams(max_tokens=12, ignore_eos=True),
     )
     eos = reference_generate(llama.model, probe).output_token_ids[3]
     model = _model_with_eos(llama_dir, tmp_path / "eos", eos)
-    stopping = probe.model_copy(update={"sampling": api.SamplingParams(max_tokens=12)})
+    stopping = probe.model_copy(update={"sampling": wire.SamplingParams(max_tokens=12)})
     requests = [(stopping, 1), (probe.model_copy(update={"request_id": "ignore"}), 1)]
     expected = reference_outputs(model, requests)
     outputs_stop = expected["stop"][0]

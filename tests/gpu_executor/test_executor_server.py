@@ -13,10 +13,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import LoadedModel
 from kvgate.gpu_executor.server import ExecutorServer
+from kvgate.protocol import step as wire
 
 Client = TestClient[web.Request, web.Application]
 TOKEN = "s3cret-token"
@@ -24,17 +24,17 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT = [5, 9, 2, 7]
 
 
-def _fill_plan(step_id: int, rid: str = "r") -> api.StepPlan:
-    return api.StepPlan(
+def _fill_plan(step_id: int, rid: str = "r") -> wire.StepPlan:
+    return wire.StepPlan(
         step_id=step_id,
         new_requests=[
-            api.NewRequest(
-                request_id=rid, prompt_token_ids=PROMPT, sampling=api.SamplingParams(max_tokens=4)
+            wire.NewRequest(
+                request_id=rid, prompt_token_ids=PROMPT, sampling=wire.SamplingParams(max_tokens=4)
             )
         ],
-        block_appends=[api.BlockAppend(request_id=rid, new_block_ids=[[0, 1]])],
+        block_appends=[wire.BlockAppend(request_id=rid, new_block_ids=[[0, 1]])],
         prefill_rows=[
-            api.PrefillRow(
+            wire.PrefillRow(
                 request_id=rid, token_start=0, token_end=4, depth_first=1, depth_last=1,
                 completes_fill=True,
             )
@@ -42,9 +42,9 @@ def _fill_plan(step_id: int, rid: str = "r") -> api.StepPlan:
     )  # fmt: skip
 
 
-def _decode_plan(step_id: int, rid: str = "r") -> api.StepPlan:
-    return api.StepPlan(
-        step_id=step_id, decode=api.DecodeRows(request_ids=[rid], positions=[None], depths=[None])
+def _decode_plan(step_id: int, rid: str = "r") -> wire.StepPlan:
+    return wire.StepPlan(
+        step_id=step_id, decode=wire.DecodeRows(request_ids=[rid], positions=[None], depths=[None])
     )
 
 
@@ -69,13 +69,13 @@ async def _open(
     client: Client, epoch: int
 ) -> tuple[aiohttp.ClientWebSocketResponse, dict[str, object]]:
     ws = await client.ws_connect("/v1/steps", headers=AUTH)
-    await ws.send_str(api.SessionOpen(epoch=epoch, session_id=f"s{epoch}").model_dump_json())
+    await ws.send_str(wire.SessionOpen(epoch=epoch, session_id=f"s{epoch}").model_dump_json())
     reply = json.loads(await ws.receive_str(timeout=10))
     return ws, reply
 
 
-async def _result(ws: aiohttp.ClientWebSocketResponse) -> api.StepResult:
-    return api.StepResult.model_validate_json(await ws.receive_str(timeout=10))
+async def _result(ws: aiohttp.ClientWebSocketResponse) -> wire.StepResult:
+    return wire.StepResult.model_validate_json(await ws.receive_str(timeout=10))
 
 
 async def test_health_readiness_and_metrics_follow_loading(llama: LoadedModel) -> None:
@@ -145,7 +145,7 @@ async def test_session_runs_pipelined_plans_in_order(
     llama: LoadedModel,
 ) -> None:
     ws, reply = await _open(client, epoch=1)
-    accepted = api.SessionAccepted.model_validate(reply)
+    accepted = wire.SessionAccepted.model_validate(reply)
     assert accepted.info.num_blocks == 16 and accepted.info.model_family == "llama"
     # Three plans sent back to back; the decode rows depend on the plans before them.
     for plan in (_fill_plan(1), _decode_plan(2), _decode_plan(3)):
@@ -168,8 +168,8 @@ async def test_newer_epoch_fences_the_older_session(
 
     new, reply = await _open(client, epoch=6)
     assert reply["type"] == "accepted"
-    fenced = api.ProtocolError.model_validate_json(await old.receive_str(timeout=10))
-    assert fenced.code is api.ErrorCode.STALE_EPOCH
+    fenced = wire.ProtocolError.model_validate_json(await old.receive_str(timeout=10))
+    assert fenced.code is wire.ErrorCode.STALE_EPOCH
     assert (await old.receive(timeout=10)).type in {
         aiohttp.WSMsgType.CLOSE,
         aiohttp.WSMsgType.CLOSED,
@@ -178,7 +178,7 @@ async def test_newer_epoch_fences_the_older_session(
     # The new epoch starts from nothing: the old session's request is gone.
     await new.send_str(_decode_plan(1).model_dump_json())
     result = await _result(new)
-    assert result.error is not None and result.error.code is api.ErrorCode.UNKNOWN_REQUEST
+    assert result.error is not None and result.error.code is wire.ErrorCode.UNKNOWN_REQUEST
 
     for stale_epoch in (6, 4):
         stale, reply = await _open(client, epoch=stale_epoch)
@@ -211,11 +211,11 @@ async def test_bad_plans_get_error_results_and_the_session_goes_on(
     invalid, unknown, good = [await _result(ws) for _ in range(3)]
     assert invalid.step_id == 2 and invalid.error is not None
     assert (
-        invalid.error.code is api.ErrorCode.BAD_PLAN
+        invalid.error.code is wire.ErrorCode.BAD_PLAN
         and "empty token range" in invalid.error.message
     )
     assert unknown.step_id == 3 and unknown.error is not None
-    assert unknown.error.code is api.ErrorCode.UNKNOWN_REQUEST and "ghost" in unknown.error.message
+    assert unknown.error.code is wire.ErrorCode.UNKNOWN_REQUEST and "ghost" in unknown.error.message
     assert good.step_id == 4 and good.error is None and good.tokens[0].position == 5
     metrics = await (await client.get("/metrics")).text()
     assert 'kvgate_executor_steps_total{outcome="bad_plan"} 1.0' in metrics
@@ -235,7 +235,7 @@ async def test_bad_plans_get_error_results_and_the_session_goes_on(
             "protocol version 99",
         ),
         ("{broken", True, "invalid message"),
-        (api.SessionOpen(epoch=9, session_id="again").model_dump_json(), True, "already open"),
+        (wire.SessionOpen(epoch=9, session_id="again").model_dump_json(), True, "already open"),
     ],
     ids=["garbage-first", "plan-first", "wrong-version", "garbage-later", "second-open"],
 )
@@ -247,11 +247,11 @@ async def test_protocol_violations_close_the_session(
 ) -> None:
     ws = await client.ws_connect("/v1/steps", headers=AUTH)
     if after_open:
-        await ws.send_str(api.SessionOpen(epoch=1, session_id="s").model_dump_json())
+        await ws.send_str(wire.SessionOpen(epoch=1, session_id="s").model_dump_json())
         assert json.loads(await ws.receive_str(timeout=10))["type"] == "accepted"
     await ws.send_str(first)
-    error = api.ProtocolError.model_validate_json(await ws.receive_str(timeout=10))
-    assert error.code is api.ErrorCode.PROTOCOL and message in error.message
+    error = wire.ProtocolError.model_validate_json(await ws.receive_str(timeout=10))
+    assert error.code is wire.ErrorCode.PROTOCOL and message in error.message
     closing = await ws.receive(timeout=10)
     assert closing.type in {aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED}
     await asyncio.wait_for(ws.close(), timeout=10)

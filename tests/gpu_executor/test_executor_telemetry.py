@@ -9,9 +9,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import LoadedModel
+from kvgate.protocol import step as wire
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import span_context_from_traceparent, traceparent_of
 from kvgate.telemetry.setup import build_tracer_provider
@@ -41,12 +41,12 @@ def traced(looped: LoadedModel) -> tuple[Executor, InMemorySpanExporter]:
     return executor, exporter
 
 
-def _request(rid: str, context: SpanContext) -> api.NewRequest:
-    return api.NewRequest(
+def _request(rid: str, context: SpanContext) -> wire.NewRequest:
+    return wire.NewRequest(
         request_id=rid,
         prompt_token_ids=[1, 2, 3, 4, 5],
         traceparent=traceparent_of(context),
-        sampling=api.SamplingParams(max_tokens=3),
+        sampling=wire.SamplingParams(max_tokens=3),
     )
 
 
@@ -60,16 +60,16 @@ def test_one_span_per_step_with_attributes_and_links(
     traced: tuple[Executor, InMemorySpanExporter],
 ) -> None:
     executor, exporter = traced
-    fill = api.StepPlan(
+    fill = wire.StepPlan(
         step_id=1,
         traceparent=traceparent_of(SCHEDULER),
         new_requests=[_request("a", REQ_A), _request("b", REQ_B)],
         block_appends=[
-            api.BlockAppend(request_id="a", new_block_ids=[[0, 1], [2, 3], [4, 5]]),
-            api.BlockAppend(request_id="b", new_block_ids=[[6, 7], [8, 9], [10, 11]]),
+            wire.BlockAppend(request_id="a", new_block_ids=[[0, 1], [2, 3], [4, 5]]),
+            wire.BlockAppend(request_id="b", new_block_ids=[[6, 7], [8, 9], [10, 11]]),
         ],
         prefill_rows=[
-            api.PrefillRow(
+            wire.PrefillRow(
                 request_id="a",
                 token_start=0,
                 token_end=5,
@@ -77,13 +77,15 @@ def test_one_span_per_step_with_attributes_and_links(
                 depth_last=3,
                 completes_fill=True,
             ),
-            api.PrefillRow(request_id="b", token_start=0, token_end=3, depth_first=1, depth_last=1),
+            wire.PrefillRow(
+                request_id="b", token_start=0, token_end=3, depth_first=1, depth_last=1
+            ),
         ],
     )
-    decode = api.StepPlan(
+    decode = wire.StepPlan(
         step_id=2,
         swap_out=["b"],
-        decode=api.DecodeRows(request_ids=["a"], positions=[5], depths=[1]),
+        decode=wire.DecodeRows(request_ids=["a"], positions=[5], depths=[1]),
     )
     for plan in (fill, decode):
         assert executor.execute(plan).error is None
@@ -119,7 +121,7 @@ def test_rejected_plan_span_carries_the_error(
     traced: tuple[Executor, InMemorySpanExporter],
 ) -> None:
     executor, exporter = traced
-    result = executor.execute(api.StepPlan(step_id=7, free=["nobody"]))
+    result = executor.execute(wire.StepPlan(step_id=7, free=["nobody"]))
     assert result.error is not None
     (span,) = exporter.get_finished_spans()
     assert span.status.status_code is StatusCode.ERROR

@@ -9,26 +9,26 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import LoadedModel
+from kvgate.protocol import step as wire
 from tests.gpu_executor.workloads import reference_outputs
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 R = 3  # the looped test model's loops
 
-A = api.NewRequest(
+A = wire.NewRequest(
     request_id="a",
     prompt_token_ids=[3, 1, 4, 1, 5, 9],
-    sampling=api.SamplingParams(max_tokens=6),
-    loops=api.LoopParams(exit_threshold=0.5),
+    sampling=wire.SamplingParams(max_tokens=6),
+    loops=wire.LoopParams(exit_threshold=0.5),
 )
-B = api.NewRequest(
+B = wire.NewRequest(
     request_id="b",
     prompt_token_ids=[2, 7, 1, 8, 2, 8, 1],
-    sampling=api.SamplingParams(temperature=0.9, seed=5, max_tokens=5),
-    loops=api.LoopParams(exit_threshold=0.5),
+    sampling=wire.SamplingParams(temperature=0.9, seed=5, max_tokens=5),
+    loops=wire.LoopParams(exit_threshold=0.5),
 )
 
 
@@ -44,21 +44,21 @@ class Session:
     next_block: int = 0
     pages: dict[str, int] | None = None
 
-    def plan(self, **fields: object) -> api.StepPlan:
+    def plan(self, **fields: object) -> wire.StepPlan:
         self.step += 1
-        return api.StepPlan(step_id=self.step, **fields)  # type: ignore[arg-type]
+        return wire.StepPlan(step_id=self.step, **fields)  # type: ignore[arg-type]
 
-    def run(self, **fields: object) -> api.StepResult:
+    def run(self, **fields: object) -> wire.StepResult:
         result = self.ex.execute(self.plan(**fields))
         assert result.error is None, result.error
         return result
 
-    def grow(self, rid: str, count: int) -> api.BlockAppend:
+    def grow(self, rid: str, count: int) -> wire.BlockAppend:
         ids = _pages(self.next_block, count)
         self.next_block += R * count
         assert self.pages is not None
         self.pages[rid] = self.pages.get(rid, 0) + count
-        return api.BlockAppend(request_id=rid, new_block_ids=ids)
+        return wire.BlockAppend(request_id=rid, new_block_ids=ids)
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def session(looped: LoadedModel) -> Session:
         new_requests=[A, B],
         block_appends=[s.grow("a", 3), s.grow("b", 1)],
         prefill_rows=[
-            api.PrefillRow(
+            wire.PrefillRow(
                 request_id="a",
                 token_start=0,
                 token_end=6,
@@ -79,30 +79,36 @@ def session(looped: LoadedModel) -> Session:
                 depth_last=R,
                 completes_fill=True,
             ),
-            api.PrefillRow(request_id="b", token_start=0, token_end=4, depth_first=1, depth_last=1),
+            wire.PrefillRow(
+                request_id="b", token_start=0, token_end=4, depth_first=1, depth_last=1
+            ),
         ],
     )
     for _ in range(2):
-        s.run(decode=api.DecodeRows(request_ids=["a"], positions=[None], depths=[None]))
+        s.run(decode=wire.DecodeRows(request_ids=["a"], positions=[None], depths=[None]))
     return s
 
 
 def _finish(s: Session) -> dict[str, tuple[list[int], list[int]]]:
     """Drive both requests to completion; return every token the executor reported for them."""
-    tokens: dict[str, list[api.SampledToken]] = {"a": [], "b": []}
+    tokens: dict[str, list[wire.SampledToken]] = {"a": [], "b": []}
     fill_b = [
-        api.PrefillRow(request_id="b", token_start=0, token_end=4, depth_first=2, depth_last=2),
-        api.PrefillRow(request_id="b", token_start=4, token_end=7, depth_first=1, depth_last=1),
+        wire.PrefillRow(request_id="b", token_start=0, token_end=4, depth_first=2, depth_last=2),
+        wire.PrefillRow(request_id="b", token_start=4, token_end=7, depth_first=1, depth_last=1),
     ]
     s.run(block_appends=[s.grow("b", 1)])
     for rows in (
         fill_b,
         [
-            api.PrefillRow(request_id="b", token_start=0, token_end=4, depth_first=3, depth_last=3),
-            api.PrefillRow(request_id="b", token_start=4, token_end=7, depth_first=2, depth_last=2),
+            wire.PrefillRow(
+                request_id="b", token_start=0, token_end=4, depth_first=3, depth_last=3
+            ),
+            wire.PrefillRow(
+                request_id="b", token_start=4, token_end=7, depth_first=2, depth_last=2
+            ),
         ],
         [
-            api.PrefillRow(
+            wire.PrefillRow(
                 request_id="b",
                 token_start=4,
                 token_end=7,
@@ -121,7 +127,7 @@ def _finish(s: Session) -> dict[str, tuple[list[int], list[int]]]:
         appends = [s.grow(rid, 1) for rid in sorted(live)]
         result = s.run(
             block_appends=appends,
-            decode=api.DecodeRows(
+            decode=wire.DecodeRows(
                 request_ids=sorted(live), positions=[None] * len(live), depths=[None] * len(live)
             ),
         )
@@ -153,8 +159,8 @@ def _merge(
 
 def _row(
     rid: str, start: int, end: int, first: int, last: int, *, completes: bool = False
-) -> api.PrefillRow:
-    return api.PrefillRow(
+) -> wire.PrefillRow:
+    return wire.PrefillRow(
         request_id=rid,
         token_start=start,
         token_end=end,
@@ -164,144 +170,148 @@ def _row(
     )
 
 
-def _decode(rid: str, position: int | None = None, depth: int | None = None) -> api.DecodeRows:
-    return api.DecodeRows(request_ids=[rid], positions=[position], depths=[depth])
+def _decode(rid: str, position: int | None = None, depth: int | None = None) -> wire.DecodeRows:
+    return wire.DecodeRows(request_ids=[rid], positions=[position], depths=[depth])
 
 
 # Each bad plan starts with valid actions (so a half-applied plan would show) and then one fault.
-BAD_PLANS: dict[str, tuple[dict[str, object], api.ErrorCode, str]] = {
-    "free-unknown": ({"free": ["zzz"]}, api.ErrorCode.UNKNOWN_REQUEST, "zzz"),
+BAD_PLANS: dict[str, tuple[dict[str, object], wire.ErrorCode, str]] = {
+    "free-unknown": ({"free": ["zzz"]}, wire.ErrorCode.UNKNOWN_REQUEST, "zzz"),
     "decode-unknown": (
         {
-            "decode": api.DecodeRows(
+            "decode": wire.DecodeRows(
                 request_ids=["a", "zzz"], positions=[None] * 2, depths=[None] * 2
             )
         },
-        api.ErrorCode.UNKNOWN_REQUEST,
+        wire.ErrorCode.UNKNOWN_REQUEST,
         "zzz",
     ),
     "block-out-of-range": (
         {
             "block_appends": [
-                api.BlockAppend(request_id="a", new_block_ids=[[60], [61], [NUM_BLOCKS]])
+                wire.BlockAppend(request_id="a", new_block_ids=[[60], [61], [NUM_BLOCKS]])
             ]
         },
-        api.ErrorCode.BLOCK_OUT_OF_RANGE,
+        wire.ErrorCode.BLOCK_OUT_OF_RANGE,
         f"block id {NUM_BLOCKS}",
     ),
     "append-wrong-planes": (
-        {"block_appends": [api.BlockAppend(request_id="a", new_block_ids=[[60], [61]])]},
-        api.ErrorCode.BAD_PLAN,
+        {"block_appends": [wire.BlockAppend(request_id="a", new_block_ids=[[60], [61]])]},
+        wire.ErrorCode.BAD_PLAN,
         "2 planes",
     ),
     "append-uneven-planes": (
-        {"block_appends": [api.BlockAppend(request_id="a", new_block_ids=[[60], [61, 62], [63]])]},
-        api.ErrorCode.BAD_PLAN,
+        {"block_appends": [wire.BlockAppend(request_id="a", new_block_ids=[[60], [61, 62], [63]])]},
+        wire.ErrorCode.BAD_PLAN,
         "different page counts",
     ),
     "append-reuses-own-block": (
-        {"block_appends": [api.BlockAppend(request_id="a", new_block_ids=[[0], [61], [62]])]},
-        api.ErrorCode.BAD_PLAN,
+        {"block_appends": [wire.BlockAppend(request_id="a", new_block_ids=[[0], [61], [62]])]},
+        wire.ErrorCode.BAD_PLAN,
         "repeats a block id",
     ),
     "swap-in-without-snapshot": (
-        {"swap_in": [api.SwapIn(request_id="a", block_ids=_pages(40, 2))]},
-        api.ErrorCode.MISSING_SNAPSHOT,
+        {"swap_in": [wire.SwapIn(request_id="a", block_ids=_pages(40, 2))]},
+        wire.ErrorCode.MISSING_SNAPSHOT,
         "no snapshot",
     ),
     "swap-in-wrong-page-count": (
-        {"swap_out": ["a"], "swap_in": [api.SwapIn(request_id="a", block_ids=_pages(40, 2))]},
-        api.ErrorCode.BAD_PLAN,
+        {"swap_out": ["a"], "swap_in": [wire.SwapIn(request_id="a", block_ids=_pages(40, 2))]},
+        wire.ErrorCode.BAD_PLAN,
         "3 pages per plane",
     ),
     "host-budget-exceeded": (
         {"swap_out": ["a", "b"]},  # a: 3 pages x 3 planes fit in 10; b needs 3 more
-        api.ErrorCode.HOST_BUDGET_EXCEEDED,
+        wire.ErrorCode.HOST_BUDGET_EXCEEDED,
         "needs 3 host blocks; 9 of 10",
     ),
-    "duplicate-new-request": ({"new_requests": [A]}, api.ErrorCode.BAD_PLAN, "already registered"),
+    "duplicate-new-request": ({"new_requests": [A]}, wire.ErrorCode.BAD_PLAN, "already registered"),
     "token-out-of-vocab": (
         {"new_requests": [A.model_copy(update={"request_id": "c", "prompt_token_ids": [1, 999]})]},
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "token id 999",
     ),
     "longer-than-model": (
         {
             "new_requests": [
                 A.model_copy(
-                    update={"request_id": "c", "sampling": api.SamplingParams(max_tokens=5000)}
+                    update={"request_id": "c", "sampling": wire.SamplingParams(max_tokens=5000)}
                 )
             ]
         },
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "max_model_len",
     ),
     "row-beyond-pages": (
         {"prefill_rows": [_row("b", 4, 7, 1, 1)], "free": ["a"]},
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "pages",
     ),
     "row-skips-a-chunk": (
         {
-            "block_appends": [api.BlockAppend(request_id="b", new_block_ids=_pages(40, 1))],
+            "block_appends": [wire.BlockAppend(request_id="b", new_block_ids=_pages(40, 1))],
             "prefill_rows": [_row("b", 5, 7, 1, 1)],
         },
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "filled up to 4, not 5",
     ),
     "wavefront-without-input": (
         {
-            "block_appends": [api.BlockAppend(request_id="b", new_block_ids=_pages(40, 1))],
+            "block_appends": [wire.BlockAppend(request_id="b", new_block_ids=_pages(40, 1))],
             "prefill_rows": [_row("b", 4, 7, 2, 2)],
         },
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "plane 2 is filled up to 0, not 4",
     ),
     "wavefront-wrong-range": (
         {"prefill_rows": [_row("b", 0, 3, 2, 2)]},
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "no saved depth-1 output",
     ),
     "completes-fill-too-early": (
         {
-            "block_appends": [api.BlockAppend(request_id="b", new_block_ids=_pages(40, 1))],
+            "block_appends": [wire.BlockAppend(request_id="b", new_block_ids=_pages(40, 1))],
             "prefill_rows": [_row("b", 4, 7, 1, 3, completes=True)],
         },
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "plane 2 is filled up to 0",
     ),
     "depth-above-loops": (
         {
-            "block_appends": [api.BlockAppend(request_id="b", new_block_ids=_pages(40, 1))],
+            "block_appends": [wire.BlockAppend(request_id="b", new_block_ids=_pages(40, 1))],
             "prefill_rows": [_row("b", 4, 7, 1, 4)],
         },
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "3 loops",
     ),
     "prefill-after-fill": (
         {"prefill_rows": [_row("a", 0, 6, 1, 3)]},
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "fill of a is complete",
     ),
-    "decode-before-fill": ({"decode": _decode("b")}, api.ErrorCode.BAD_PLAN, "before its fill"),
+    "decode-before-fill": ({"decode": _decode("b")}, wire.ErrorCode.BAD_PLAN, "before its fill"),
     "decode-wrong-position": (
         {"decode": _decode("a", position=3)},
-        api.ErrorCode.BAD_PLAN,
+        wire.ErrorCode.BAD_PLAN,
         "position 3",
     ),
-    "decode-wrong-depth": ({"decode": _decode("a", depth=3)}, api.ErrorCode.BAD_PLAN, "depth 3"),
+    "decode-wrong-depth": ({"decode": _decode("a", depth=3)}, wire.ErrorCode.BAD_PLAN, "depth 3"),
     "two-rows-one-request": (
-        {"decode": api.DecodeRows(request_ids=["a", "a"], positions=[None] * 2, depths=[None] * 2)},
-        api.ErrorCode.BAD_PLAN,
+        {
+            "decode": wire.DecodeRows(
+                request_ids=["a", "a"], positions=[None] * 2, depths=[None] * 2
+            )
+        },
+        wire.ErrorCode.BAD_PLAN,
         "more than one row",
     ),
-    "swap-out-unknown": ({"swap_out": ["zzz"]}, api.ErrorCode.UNKNOWN_REQUEST, "zzz"),
+    "swap-out-unknown": ({"swap_out": ["zzz"]}, wire.ErrorCode.UNKNOWN_REQUEST, "zzz"),
     "append-after-free": (
         {
             "free": ["a"],
-            "block_appends": [api.BlockAppend(request_id="a", new_block_ids=_pages(40, 1))],
+            "block_appends": [wire.BlockAppend(request_id="a", new_block_ids=_pages(40, 1))],
         },
-        api.ErrorCode.UNKNOWN_REQUEST,
+        wire.ErrorCode.UNKNOWN_REQUEST,
         "not resident",
     ),
 }
@@ -322,7 +332,7 @@ def test_bad_plan_is_rejected_and_changes_nothing(
     assert result.error is not None
     assert result.error.code == code, result.error
     assert fragment in result.error.message, result.error.message
-    assert result.tokens == [] and result.decode == api.DecodeOutcomes()
+    assert result.tokens == [] and result.decode == wire.DecodeOutcomes()
     assert torch.equal(ex.cache.keys, keys) and torch.equal(ex.cache.values, values)
     assert ex.counters == counters and ex.blocks_used == blocks_used
     # And it loses nothing: both requests finish exactly as without the bad plan.

@@ -19,14 +19,14 @@ from kvgate.admission_service.scheduler.config import (
     PreemptionMode,
     SchedulerConfig,
 )
-from kvgate.admission_service.sim.workload import (
+from kvgate.sim.real import simulate_real
+from kvgate.sim.workload import (
     CacheSection,
     ExitMode,
     ModelSection,
     Workload,
     WorkloadRequest,
 )
-from kvgate.sim_real import simulate_real
 
 
 def _workload(

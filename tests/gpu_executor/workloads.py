@@ -4,28 +4,28 @@ from __future__ import annotations
 
 import random
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.loader import LoadedModel
 from kvgate.gpu_executor.reference import reference_generate
+from kvgate.protocol import step as wire
 
 _SAMPLINGS = [
-    api.SamplingParams(max_tokens=9),
-    api.SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=11),
-    api.SamplingParams(temperature=1.3, top_p=0.9, seed=3, max_tokens=8),
-    api.SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=11, max_tokens=10),
+    wire.SamplingParams(max_tokens=9),
+    wire.SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=11),
+    wire.SamplingParams(temperature=1.3, top_p=0.9, seed=3, max_tokens=8),
+    wire.SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=11, max_tokens=10),
 ]
 _LOOPS = [
-    api.LoopParams(exit_threshold=0.5),
-    api.LoopParams(exit_threshold=0.6, min_loops=2),
-    api.LoopParams(max_loops=2),
-    api.LoopParams(exit_trace=[3, 1, 2, 3, 1, 1, 2]),  # past the trace: the gate decides
+    wire.LoopParams(exit_threshold=0.5),
+    wire.LoopParams(exit_threshold=0.6, min_loops=2),
+    wire.LoopParams(max_loops=2),
+    wire.LoopParams(exit_trace=[3, 1, 2, 3, 1, 1, 2]),  # past the trace: the gate decides
 ]
 
 
 def mixed_requests(
     loaded: LoadedModel, count: int = 6, seed: int = 0, max_arrival: int = 6
-) -> list[tuple[api.NewRequest, int]]:
+) -> list[tuple[wire.NewRequest, int]]:
     """``count`` requests of different prompt lengths, samplings and loop bounds, arriving over
     the first ``max_arrival`` steps."""
     rng = random.Random(seed)
@@ -36,7 +36,7 @@ def mixed_requests(
         length = rng.choice([1, 2, 5, 9, 14, 23])
         prompt = [rng.randrange(vocab) for _ in range(length)]
         prompt = [t for t in prompt if t != eos] or [0]
-        request = api.NewRequest(
+        request = wire.NewRequest(
             request_id=f"req-{seed}-{i}",
             prompt_token_ids=prompt,
             sampling=_SAMPLINGS[i % len(_SAMPLINGS)],
@@ -48,7 +48,7 @@ def mixed_requests(
 
 def reference_outputs(
     loaded: LoadedModel,
-    requests: list[tuple[api.NewRequest, int]],
+    requests: list[tuple[wire.NewRequest, int]],
     policy: ExitPolicy = ExitPolicy.GATE,
 ) -> dict[str, tuple[list[int], list[int]]]:
     eos = loaded.model.config.eos_token_id

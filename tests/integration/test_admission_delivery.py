@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.admission_service.faults import CRASH_EXIT_CODE, CRASH_POINT_ENV
-from kvgate.admission_service.messages import ResultStatus
+from kvgate.protocol.records import ResultStatus
 from tests.admission_service.helpers import request_body
 from tests.admission_service.kafka_helpers import (
     Topics,

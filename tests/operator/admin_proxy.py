@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvgate.admission_service.admin_api import AdminError, ExecutorState
+from kvgate.protocol.admin import AdminError, ExecutorState
 from tests.operator.local_http import serve_locally, successful_calls
 
 # Only these request headers reach the service: what the operator's admin client sends.

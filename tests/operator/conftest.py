@@ -13,7 +13,7 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from kvgate.admission_service.embedded_broker import EmbeddedBroker
+from kvgate.local.embedded_broker import EmbeddedBroker
 from tests.operator.admin_proxy import JournalingProxy
 from tests.operator.cluster import NAMESPACE, Cluster, Kubelet, admin_token
 from tests.operator.fake_admin import FakeAdminApi

@@ -1,4 +1,4 @@
-"""A stand-in for the admission service's admin API (``kvgate/admission_service/admin_api.py``).
+"""A stand-in for the admission service's admin API (``kvgate/protocol/admin.py``).
 
 It serves the real request and answer bodies (validated with the same pydantic models), checks
 the bearer token on mutations, and keeps membership the way the service would: executors join
@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvgate.admission_service.admin_api import (
+from kvgate.protocol.admin import (
     AdminError,
     ExecutorMembership,
     ExecutorSet,

@@ -10,9 +10,9 @@ import kmock
 import kopf
 import pytest
 
-from kvgate.admission_service.admin_api import ExecutorSet, ExecutorSpec, ExecutorState
 from kvgate.operator.admin import AdminClient, AdminRejected, AdminUnavailable
 from kvgate.operator.kube import PODS, ApiError, KubeApi, TransientApiError
+from kvgate.protocol.admin import ExecutorSet, ExecutorSpec, ExecutorState
 from tests.operator.fake_admin import FakeAdminApi
 from tests.operator.kube_emulator import KubeEmulator
 

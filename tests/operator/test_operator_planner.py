@@ -15,11 +15,11 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState, ExecutorStatus
 from kvgate.operator import report
 from kvgate.operator.observe import ObservedPod, PodPhase
 from kvgate.operator.planner import Cause, Plan, PlanInput, Removal, plan
 from kvgate.operator.status import ConditionType, Phase
+from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 NEW, OLD = "rev-new", "rev-old"

@@ -25,10 +25,10 @@ import aiohttp
 import pytest
 from kopf.testing import KopfRunner
 
-from kvgate.admission_service.admin_api import ExecutorMembership, ExecutorState
-from kvgate.admission_service.embedded_broker import EmbeddedBroker
-from kvgate.admission_service.messages import InferenceResult, ResultStatus
+from kvgate.local.embedded_broker import EmbeddedBroker
 from kvgate.operator.naming import step_endpoint
+from kvgate.protocol.admin import ExecutorMembership, ExecutorState
+from kvgate.protocol.records import InferenceResult, ResultStatus
 from tests.admission_service.kafka_helpers import produce, read_results
 from tests.operator.admin_proxy import JournalingProxy
 from tests.operator.cluster import Cluster, admin_token, deleted_at, operator_writes, pool_manifest

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.admission_service.messages import DeadLetter, InferenceResult
+from kvgate.protocol.records import DeadLetter, InferenceResult
 from tests.admission_service.kafka_helpers import Topics
 from tests.harness.kafka import KafkaBroker
 from tests.integration.admission_stack import (

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.admission_service.messages import RejectCode
+from kvgate.protocol.records import RejectCode
 from tests.reliability.traffic import Expect, Message
 
 R = RejectCode

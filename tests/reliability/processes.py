@@ -19,7 +19,7 @@ import aiohttp
 import psutil
 from pydantic import TypeAdapter
 
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
 from tests.integration.admission_stack import (
     EXECUTOR_TOKEN,
     Process,
@@ -28,8 +28,8 @@ from tests.integration.admission_stack import (
     wait_http,
 )
 
-_SERVER_MESSAGE: TypeAdapter[api.SessionAccepted | api.StepResult | api.ProtocolError] = (
-    TypeAdapter(api.ServerMessage)
+_SERVER_MESSAGE: TypeAdapter[wire.SessionAccepted | wire.StepResult | wire.ProtocolError] = (
+    TypeAdapter(wire.ServerMessage)
 )
 
 
@@ -133,7 +133,7 @@ class Opening:
     it was upgraded) its first message."""
 
     http_status: int
-    answer: api.SessionAccepted | api.StepResult | api.ProtocolError | None = None
+    answer: wire.SessionAccepted | wire.StepResult | wire.ProtocolError | None = None
 
 
 async def open_session(port: int, *, epoch: int, token: str | None) -> Opening:
@@ -145,7 +145,7 @@ async def open_session(port: int, *, epoch: int, token: str | None) -> Opening:
         except aiohttp.WSServerHandshakeError as exc:
             return Opening(exc.status)
         async with ws:
-            opening = api.SessionOpen(epoch=epoch, session_id=f"probe-{epoch}")
+            opening = wire.SessionOpen(epoch=epoch, session_id=f"probe-{epoch}")
             await ws.send_str(opening.model_dump_json())
             reply = await ws.receive_str(timeout=30)
             return Opening(101, _SERVER_MESSAGE.validate_json(reply))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.admission_service.sim_executor import SimExecutorConfig
+from kvgate.sim.backend import SimExecutorConfig
 from tests.reliability.cluster import Cluster
 from tests.reliability.figures import MIB, Figures
 from tests.reliability.fuzz import Limits, hostile_stream

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvgate.admission_service.sim_executor import SimExecutorConfig
+from kvgate.sim.backend import SimExecutorConfig
 from tests.harness.kafka import ContainerKafka
 from tests.integration.admission_stack import Service
 from tests.reliability.cluster import Cluster

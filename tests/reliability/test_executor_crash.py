@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
 from tests.integration.admission_stack import EXECUTOR_TOKEN, Service
 from tests.reliability.cluster import Cluster
 from tests.reliability.processes import (
@@ -74,8 +74,8 @@ async def test_killed_executor_work_finishes_elsewhere_and_its_epoch_is_fenced(
     assert live_epoch > dead_epoch
     for epoch in (dead_epoch, live_epoch):
         opening = await open_session(exec_a.port, epoch=epoch, token=EXECUTOR_TOKEN)
-        assert isinstance(opening.answer, api.ProtocolError), opening
-        assert opening.answer.code is api.ErrorCode.STALE_EPOCH
+        assert isinstance(opening.answer, wire.ProtocolError), opening
+        assert opening.answer.code is wire.ErrorCode.STALE_EPOCH
     # The refused openings left the service's session alone: exec-a takes new work.
     await cluster.send_requests(second)
 

@@ -21,22 +21,22 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvgate.gpu_executor import api
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.server import ExecutorServer
+from kvgate.protocol import step as wire
 from tests.reliability.processes import parse_metrics, poll
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "peer-loss-token"
 
 
-def _fill_plan() -> api.StepPlan:
-    return api.StepPlan(
+def _fill_plan() -> wire.StepPlan:
+    return wire.StepPlan(
         step_id=1,
-        new_requests=[api.NewRequest(request_id="r", prompt_token_ids=[5, 9, 2, 7])],
-        block_appends=[api.BlockAppend(request_id="r", new_block_ids=[[0], [1], [2]])],
+        new_requests=[wire.NewRequest(request_id="r", prompt_token_ids=[5, 9, 2, 7])],
+        block_appends=[wire.BlockAppend(request_id="r", new_block_ids=[[0], [1], [2]])],
         prefill_rows=[
-            api.PrefillRow(
+            wire.PrefillRow(
                 request_id="r", token_start=0, token_end=4, depth_first=1, depth_last=3,
                 completes_fill=True,
             )
@@ -46,7 +46,7 @@ def _fill_plan() -> api.StepPlan:
 
 async def _open(client: TestClient, epoch: int) -> Any:
     ws = await client.ws_connect("/v1/steps", headers={"Authorization": f"Bearer {TOKEN}"})
-    await ws.send_str(api.SessionOpen(epoch=epoch, session_id=f"s{epoch}").model_dump_json())
+    await ws.send_str(wire.SessionOpen(epoch=epoch, session_id=f"s{epoch}").model_dump_json())
     assert "accepted" in await ws.receive_str(timeout=10)
     return ws
 
@@ -62,7 +62,7 @@ async def test_peer_gone_while_a_plan_runs_ends_the_session_quietly(
         executor = Executor(load_model(looped_model), num_blocks=16, block_size=4)
         execute = executor.execute
 
-        def held(plan: api.StepPlan) -> api.StepResult:
+        def held(plan: wire.StepPlan) -> wire.StepResult:
             entered.set()
             release.wait(timeout=60)  # the peer dies while the plan runs
             return execute(plan)
@@ -110,7 +110,7 @@ async def test_a_new_session_zeroes_the_leak_gauges(looped_model: Path) -> None:
         await server.wait_loaded()
         first = await _open(client, epoch=1)
         await first.send_str(_fill_plan().model_dump_json())
-        result = api.StepResult.model_validate_json(await first.receive_str(timeout=30))
+        result = wire.StepResult.model_validate_json(await first.receive_str(timeout=30))
         assert result.error is None and result.counters.num_requests == 1
         samples = parse_metrics(await (await client.get("/metrics")).text())
         assert samples["kvgate_executor_requests"] == 1

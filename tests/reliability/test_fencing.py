@@ -14,7 +14,7 @@ import asyncio
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from kvgate.admission_service.sim_executor import SimExecutorConfig
+from kvgate.sim.backend import SimExecutorConfig
 from tests.reliability.cluster import Cluster
 from tests.reliability.processes import parse_metrics
 from tests.reliability.traffic import Message, read_answers

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvgate.admission_service.sim_executor import SimExecutorConfig
+from kvgate.sim.backend import SimExecutorConfig
 from tests.admission_service.kafka_helpers import committed_offsets
 from tests.reliability.cluster import Cluster
 from tests.reliability.traffic import read_answers

@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from kvgate.admission_service.sim_executor import SimExecutorConfig
+from kvgate.sim.backend import SimExecutorConfig
 from tests.integration.admission_stack import Service
 from tests.reliability.cluster import Cluster
 from tests.reliability.processes import parse_metrics, poll

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.admission_service.messages import RejectCode
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.validation import (
     Accepted,
@@ -20,6 +19,7 @@ from kvgate.admission_service.validation import (
     validate_abort,
     validate_request,
 )
+from kvgate.protocol.records import RejectCode
 from tests.reliability.fuzz import Limits, hostile_stream
 from tests.reliability.traffic import Expect
 

@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaError
 
 from kvgate.admission_service.kafka_io import client_options
 from kvgate.admission_service.settings import KafkaSettings
-from kvgate.admission_service.sim_executor import SimExecutorConfig
+from kvgate.sim.backend import SimExecutorConfig
 from tests.harness.kafka import KafkaBroker, TlsEndpoint
 from tests.reliability.cluster import Cluster
 from tests.reliability.workloads import mixed_bodies, sim_reference

@@ -20,8 +20,8 @@ import statistics
 
 import pytest
 
-from kvgate.admission_service.messages import InferenceResult
-from kvgate.admission_service.sim_executor import SimExecutorConfig
+from kvgate.protocol.records import InferenceResult
+from kvgate.sim.backend import SimExecutorConfig
 from tests.admission_service.kafka_helpers import read_all
 from tests.reliability.cluster import Cluster
 from tests.reliability.figures import MIB, Figures

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from kvgate.admission_service.messages import (
+from kvgate.protocol.records import (
     DeadLetter,
     InferenceResult,
     RejectCode,

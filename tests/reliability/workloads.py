@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvgate.admission_service.sim_executor import SimExecutorConfig
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
+from kvgate.sim.backend import SimExecutorConfig
 
 Output = tuple[list[int], list[int]]  # (output token ids, exit depths)
 
@@ -64,15 +64,15 @@ def mixed_bodies(
     return bodies
 
 
-def new_request(body: dict[str, Any]) -> api.NewRequest:
+def new_request(body: dict[str, Any]) -> wire.NewRequest:
     """The executor-side request a body becomes (as the service builds it, without a trace)."""
     sampling = body.get("sampling", {})
     loops = body.get("loops", {})
-    return api.NewRequest(
+    return wire.NewRequest(
         request_id=body["request_id"],
         prompt_token_ids=body["prompt"],
-        sampling=api.SamplingParams(max_tokens=body.get("max_tokens", 16), **sampling),
-        loops=api.LoopParams(**loops),
+        sampling=wire.SamplingParams(max_tokens=body.get("max_tokens", 16), **sampling),
+        loops=wire.LoopParams(**loops),
     )
 
 
@@ -108,12 +108,12 @@ def sim_reference(bodies: list[dict[str, Any]], config: SimExecutorConfig) -> di
         tables = [[plane * pages + page for page in range(pages)] for plane in range(planes)]
         step += 1
         result = executor.execute(
-            api.StepPlan(
+            wire.StepPlan(
                 step_id=step,
                 new_requests=[request],
-                block_appends=[api.BlockAppend(request_id=rid, new_block_ids=tables)],
+                block_appends=[wire.BlockAppend(request_id=rid, new_block_ids=tables)],
                 prefill_rows=[
-                    api.PrefillRow(
+                    wire.PrefillRow(
                         request_id=rid, token_start=0, token_end=len(prompt), depth_first=1,
                         depth_last=planes, completes_fill=True,
                     )
@@ -123,19 +123,19 @@ def sim_reference(bodies: list[dict[str, Any]], config: SimExecutorConfig) -> di
         tokens = list(result.tokens)
         while not _finished(tokens, sampling, eos):
             step += 1
-            decode = api.DecodeRows(request_ids=[rid], positions=[None], depths=[None])
-            result = executor.execute(api.StepPlan(step_id=step, decode=decode))
+            decode = wire.DecodeRows(request_ids=[rid], positions=[None], depths=[None])
+            result = executor.execute(wire.StepPlan(step_id=step, decode=decode))
             assert result.error is None, result.error
             tokens.extend(result.tokens)
         step += 1
-        executor.execute(api.StepPlan(step_id=step, free=[rid]))
+        executor.execute(wire.StepPlan(step_id=step, free=[rid]))
         out[rid] = ([t.token_id for t in tokens], [t.exit_depth for t in tokens])
-    assert executor.counters == api.ExecutorCounters(), "the reference run leaked"
+    assert executor.counters == wire.ExecutorCounters(), "the reference run leaked"
     return out
 
 
 def _finished(
-    tokens: list[api.SampledToken], sampling: api.SamplingParams, eos: int | None
+    tokens: list[wire.SampledToken], sampling: wire.SamplingParams, eos: int | None
 ) -> bool:
     if len(tokens) >= sampling.max_tokens:
         return True

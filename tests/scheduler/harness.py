@@ -7,9 +7,9 @@ from kvgate.admission_service.scheduler.events import FinishedEvent, RequestEven
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import Scheduler
 from kvgate.admission_service.scheduler.strategy import Strategy
-from kvgate.admission_service.sim.executor import SimExecutor
-from kvgate.admission_service.sim.workload import ModelSection
-from kvgate.gpu_executor.api import LoopParams, SamplingParams, StepPlan
+from kvgate.protocol.step import LoopParams, SamplingParams, StepPlan
+from kvgate.sim.executor import SimExecutor
+from kvgate.sim.workload import ModelSection
 
 
 class Rig:

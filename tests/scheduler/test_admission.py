@@ -129,8 +129,8 @@ def test_evicting_the_other_holder_of_a_cached_prefix_is_priced_correctly() -> N
     cached prefix page makes that page evictable, which raises the requester's claim by as much
     as it frees; counting it as freed made a priced admission fail after the eviction."""
     from kvgate.admission_service.scheduler.config import Mode, PreemptionMode, SchedulerConfig
-    from kvgate.admission_service.sim.simulate import simulate
-    from kvgate.admission_service.sim.workload import (
+    from kvgate.sim.simulate import simulate
+    from kvgate.sim.workload import (
         CacheSection,
         ExitMode,
         ModelSection,

@@ -27,8 +27,8 @@ from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, S
 from kvgate.admission_service.scheduler.events import FinishedEvent
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import Scheduler
-from kvgate.admission_service.sim_executor import SimExecutorConfig
-from kvgate.gpu_executor.api import LoopParams, SamplingParams
+from kvgate.protocol.step import LoopParams, SamplingParams
+from kvgate.sim.backend import SimExecutorConfig
 
 CACHE = CacheConfig(num_blocks=6, block_size=4, host_snapshot_blocks=0)
 

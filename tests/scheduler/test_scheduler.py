@@ -22,7 +22,7 @@ from kvgate.admission_service.scheduler.request import FinishReason
 from kvgate.admission_service.scheduler.scheduler import Scheduler
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy
-from kvgate.gpu_executor.api import ErrorCode, StepError, StepResult
+from kvgate.protocol.step import ErrorCode, StepError, StepResult
 from tests.scheduler.harness import Rig, spec
 
 

@@ -1,14 +1,14 @@
 """The simulated model computed densely, one request at a time, with no block tables at all.
 
-It restates the simulator's value function (see ``kvgate.admission_service.sim.executor``) over
+It restates the simulator's value function (see ``kvgate.sim.executor``) over
 plain per-plane lists, so the paged simulator, the scheduler and this agree only if every block
 table, plane copy, snapshot and recompute was right.
 """
 
 from __future__ import annotations
 
-from kvgate.admission_service.sim.hashing import mix, text_hash
-from kvgate.admission_service.sim.workload import ExitMode, Workload, WorkloadRequest
+from kvgate.sim.hashing import mix, text_hash
+from kvgate.sim.workload import ExitMode, Workload, WorkloadRequest
 
 
 def _digest(plane: int, values: list[int], position: int, block_size: int) -> int:

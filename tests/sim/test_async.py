@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvgate.admission_service.scheduler.config import Mode
-from kvgate.admission_service.sim.runner import arrivals, build_scheduler, run_once, sim_executor
-from kvgate.admission_service.sim.workloads import LIVELOCK_SEEDS, livelock_case
+from kvgate.sim.runner import arrivals, build_scheduler, run_once, sim_executor
+from kvgate.sim.workloads import LIVELOCK_SEEDS, livelock_case
 
 
 @pytest.mark.parametrize("seed", LIVELOCK_SEEDS)

@@ -11,7 +11,7 @@ import pytest
 
 from kvgate.cli import main
 
-EXAMPLE = Path("kvgate/admission_service/sim/examples/livelock.json")
+EXAMPLE = Path("kvgate/sim/examples/livelock.json")
 
 
 def test_bundled_workload_passes_and_reports_every_field(

@@ -11,8 +11,8 @@ from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.reserve import GrowthReserve
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy
-from kvgate.admission_service.sim.simulate import simulate
-from kvgate.admission_service.sim.workloads import livelock_suite
+from kvgate.sim.simulate import simulate
+from kvgate.sim.workloads import livelock_suite
 
 
 class _BoundRecording(KvgateStrategy):

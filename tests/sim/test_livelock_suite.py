@@ -11,9 +11,9 @@ import pytest
 
 from benchmarks.baselines import SeedPreFix
 from kvgate.admission_service.scheduler.config import AdmissionPricing
-from kvgate.admission_service.sim.simulate import simulate
-from kvgate.admission_service.sim.workload import Workload
-from kvgate.admission_service.sim.workloads import livelock_suite
+from kvgate.sim.simulate import simulate
+from kvgate.sim.workload import Workload
+from kvgate.sim.workloads import livelock_suite
 
 CASES = livelock_suite()
 

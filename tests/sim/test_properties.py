@@ -19,8 +19,8 @@ from kvgate.admission_service.scheduler.config import (
     PreemptionMode,
     SchedulerConfig,
 )
-from kvgate.admission_service.sim.simulate import simulate
-from kvgate.admission_service.sim.workload import (
+from kvgate.sim.simulate import simulate
+from kvgate.sim.workload import (
     CacheSection,
     ExitMode,
     ModelSection,

@@ -5,16 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.admission_service.scheduler.config import Mode, PreemptionMode, SchedulerConfig
-from kvgate.admission_service.sim.executor import SimExecutor
-from kvgate.admission_service.sim.runner import run_once
-from kvgate.admission_service.sim.workload import (
-    CacheSection,
-    ExitMode,
-    ModelSection,
-    Workload,
-    WorkloadRequest,
-)
-from kvgate.gpu_executor.api import (
+from kvgate.protocol.step import (
     BlockAppend,
     DecodeRows,
     ErrorCode,
@@ -23,6 +14,15 @@ from kvgate.gpu_executor.api import (
     SamplingParams,
     StepPlan,
     SwapIn,
+)
+from kvgate.sim.executor import SimExecutor
+from kvgate.sim.runner import run_once
+from kvgate.sim.workload import (
+    CacheSection,
+    ExitMode,
+    ModelSection,
+    Workload,
+    WorkloadRequest,
 )
 from tests.sim.dense_reference import generate
 

@@ -41,7 +41,7 @@ from kvgate.admission_service.scheduler.preemption import evict_all, find_victim
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
 from kvgate.admission_service.scheduler.reserve import GrowthReserve
 from kvgate.admission_service.scheduler.state import SchedulerState
-from kvgate.gpu_executor.api import NewRequest
+from kvgate.protocol.step import NewRequest
 
 
 @dataclass(frozen=True, slots=True)

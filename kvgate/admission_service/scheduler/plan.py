@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvgate.admission_service.scheduler.events import StepReport
 from kvgate.admission_service.scheduler.kv import Page
-from kvgate.gpu_executor.api import (
+from kvgate.protocol.step import (
     BlockAppend,
     DecodeRows,
     NewRequest,

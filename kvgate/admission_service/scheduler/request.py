@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from kvgate.admission_service.scheduler.config import RestoreMode
 from kvgate.admission_service.scheduler.fill import Fill
-from kvgate.gpu_executor.api import LoopParams, SamplingParams
+from kvgate.protocol.step import LoopParams, SamplingParams
 
 
 class RequestStatus(StrEnum):

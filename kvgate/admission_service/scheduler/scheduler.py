@@ -41,7 +41,7 @@ from kvgate.admission_service.scheduler.request import (
 )
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
-from kvgate.gpu_executor.api import StepPlan, StepResult
+from kvgate.protocol.step import StepPlan, StepResult
 
 
 @dataclass(frozen=True, slots=True)

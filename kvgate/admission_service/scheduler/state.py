@@ -14,7 +14,7 @@ from kvgate.admission_service.scheduler.config import (
 from kvgate.admission_service.scheduler.kv import BlockPool
 from kvgate.admission_service.scheduler.queues import RunningSet, WaitingQueue
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
-from kvgate.gpu_executor.api import StepPlan
+from kvgate.protocol.step import StepPlan
 
 
 @dataclass(slots=True)

@@ -30,9 +30,9 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.admission_service.embedded_broker import EmbeddedBroker, EmbeddedBrokerSettings
 from kvgate.admission_service.service import AdmissionService, tune_garbage_collector
 from kvgate.admission_service.settings import ServiceSettings, load_settings
+from kvgate.local.embedded_broker import EmbeddedBroker, EmbeddedBrokerSettings
 
 log = logging.getLogger(__name__)
 

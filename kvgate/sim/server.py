@@ -23,13 +23,13 @@ from pathlib import Path
 from aiohttp import ClientError, WSMsgType, web
 from pydantic import TypeAdapter, ValidationError
 
-from kvgate.admission_service.sim.workload import ExitMode
-from kvgate.admission_service.sim_executor import SimBackend, SimExecutorConfig
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
+from kvgate.sim.backend import SimBackend, SimExecutorConfig
+from kvgate.sim.workload import ExitMode
 
 log = logging.getLogger("kvgate.sim_executor")
 TOKEN_ENV = "KVGATE_EXECUTOR_TOKEN"
-_CLIENT_MESSAGE: TypeAdapter[api.SessionOpen | api.StepPlan] = TypeAdapter(api.ClientMessage)
+_CLIENT_MESSAGE: TypeAdapter[wire.SessionOpen | wire.StepPlan] = TypeAdapter(wire.ClientMessage)
 
 
 class SimExecutorServer:
@@ -64,10 +64,10 @@ class SimExecutorServer:
             credentials.strip().encode(), self._token
         )
 
-    async def _error(self, ws: web.WebSocketResponse, code: api.ErrorCode, text: str) -> None:
+    async def _error(self, ws: web.WebSocketResponse, code: wire.ErrorCode, text: str) -> None:
         """Tell the peer why, then close; a peer that is already gone is not waited for."""
         with contextlib.suppress(ConnectionError, ClientError):
-            await ws.send_str(api.ProtocolError(code=code, message=text).model_dump_json())
+            await ws.send_str(wire.ProtocolError(code=code, message=text).model_dump_json())
         with contextlib.suppress(ConnectionError, ClientError):
             await ws.close()
 
@@ -83,8 +83,10 @@ class SimExecutorServer:
             )
         except ValidationError:
             opening = None
-        if not isinstance(opening, api.SessionOpen):
-            await self._error(ws, api.ErrorCode.PROTOCOL, "the first message must be a SessionOpen")
+        if not isinstance(opening, wire.SessionOpen):
+            await self._error(
+                ws, wire.ErrorCode.PROTOCOL, "the first message must be a SessionOpen"
+            )
             return ws
         async with self._lock:
             refusal = self.backend.accept(opening.epoch)
@@ -97,11 +99,11 @@ class SimExecutorServer:
                 # must not delay the new session.
                 text = f"session epoch {opening.epoch} replaced this one"
                 fencing = asyncio.create_task(
-                    self._error(previous, api.ErrorCode.STALE_EPOCH, text)
+                    self._error(previous, wire.ErrorCode.STALE_EPOCH, text)
                 )
                 self._fencing.add(fencing)
                 fencing.add_done_callback(self._fencing.discard)
-            accepted = api.SessionAccepted(epoch=opening.epoch, info=self.backend.info)
+            accepted = wire.SessionAccepted(epoch=opening.epoch, info=self.backend.info)
             await ws.send_str(accepted.model_dump_json())
         async for msg in ws:
             if self._current is not ws or msg.type is not WSMsgType.TEXT:
@@ -109,10 +111,10 @@ class SimExecutorServer:
             try:
                 plan = _CLIENT_MESSAGE.validate_json(msg.data)
             except ValidationError as exc:
-                await self._error(ws, api.ErrorCode.PROTOCOL, f"unparseable message: {exc}")
+                await self._error(ws, wire.ErrorCode.PROTOCOL, f"unparseable message: {exc}")
                 break
-            if not isinstance(plan, api.StepPlan):
-                await self._error(ws, api.ErrorCode.PROTOCOL, "session already open")
+            if not isinstance(plan, wire.StepPlan):
+                await self._error(ws, wire.ErrorCode.PROTOCOL, "session already open")
                 break
             await self.backend.wait_released()  # a held backend (tests) answers nothing
             began = time.perf_counter()

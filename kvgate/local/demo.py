@@ -29,15 +29,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvgate.admission_service.demo_report import (
+from kvgate.local.demo_report import (
     DemoRequest,
     demo_workload,
     plot_timeline,
     summarize,
     summary_rows,
 )
-from kvgate.admission_service.messages import TRACEPARENT_HEADER, InferenceResult
-from kvgate.admission_service.stack import LocalStack, StackOptions
+from kvgate.local.stack import LocalStack, StackOptions
+from kvgate.protocol.records import TRACEPARENT_HEADER, InferenceResult
 from kvgate.telemetry.context import traceparent_of
 from kvgate.telemetry.spans_file import JsonLinesSpanExporter
 

@@ -4,7 +4,7 @@
 opens only with an epoch above every epoch accepted before, and accepting one resets the
 executor and fences the older session out. :class:`LocalConnector` opens in-process sessions
 to named backends (tests and the ingest benchmark: the whole service without a network);
-``kvgate sim-executor`` (:mod:`kvgate.admission_service.sim_server`) serves a backend over the
+``kvgate sim-executor`` (:mod:`kvgate.sim.server`) serves a backend over the
 real WebSocket protocol.
 
 Fault injection for tests: :meth:`LocalConnector.lose` breaks a backend's open session,
@@ -20,9 +20,9 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.admission_service.executor_client import ConnectFailed, SessionLost, SessionRefused
-from kvgate.admission_service.sim.executor import SimExecutor
-from kvgate.admission_service.sim.workload import ExitMode, ModelSection
-from kvgate.gpu_executor import api
+from kvgate.protocol import step as wire
+from kvgate.sim.executor import SimExecutor
+from kvgate.sim.workload import ExitMode, ModelSection
 
 
 class SimExecutorConfig(BaseModel):
@@ -75,21 +75,21 @@ class SimBackend:
         self._released.set()
 
     @property
-    def info(self) -> api.ExecutorInfo:
+    def info(self) -> wire.ExecutorInfo:
         return self.executor.info
 
-    def accept(self, epoch: int) -> api.ProtocolError | None:
+    def accept(self, epoch: int) -> wire.ProtocolError | None:
         """Fence older sessions and reset; an error when ``epoch`` is not newer."""
         if self.max_epoch is not None and epoch <= self.max_epoch:
-            return api.ProtocolError(
-                code=api.ErrorCode.STALE_EPOCH,
+            return wire.ProtocolError(
+                code=wire.ErrorCode.STALE_EPOCH,
                 message=f"epoch {epoch} is not newer than accepted epoch {self.max_epoch}",
             )
         self.max_epoch = epoch
         self.executor.reset()
         return None
 
-    def execute(self, plan: api.StepPlan) -> api.StepResult:
+    def execute(self, plan: wire.StepPlan) -> wire.StepResult:
         self.steps += 1
         self.plan_traceparents.append(plan.traceparent)
         if self.steps == self._hold_at_step:
@@ -119,14 +119,14 @@ class LocalSession:
     def __init__(self, backend: SimBackend, epoch: int) -> None:
         self.backend = backend
         self.epoch = epoch
-        self._plans: asyncio.Queue[api.StepPlan] = asyncio.Queue()
-        self._results: asyncio.Queue[api.StepResult | SessionLost] = asyncio.Queue()
+        self._plans: asyncio.Queue[wire.StepPlan] = asyncio.Queue()
+        self._results: asyncio.Queue[wire.StepResult | SessionLost] = asyncio.Queue()
         self._lost: SessionLost | None = None
         self._lost_event = asyncio.Event()
         self._worker = asyncio.create_task(self._work(), name="kvgate-local-executor")
 
     @property
-    def info(self) -> api.ExecutorInfo:
+    def info(self) -> wire.ExecutorInfo:
         return self.backend.info
 
     async def _work(self) -> None:
@@ -137,13 +137,13 @@ class LocalSession:
                 return
             self._results.put_nowait(self.backend.execute(plan))
 
-    async def send(self, plan: api.StepPlan) -> None:
+    async def send(self, plan: wire.StepPlan) -> None:
         if self._lost is not None:
             raise self._lost
         # Through JSON, as on the wire: the executor sees what a real one would parse.
-        self._plans.put_nowait(api.StepPlan.model_validate_json(plan.model_dump_json()))
+        self._plans.put_nowait(wire.StepPlan.model_validate_json(plan.model_dump_json()))
 
-    async def receive(self) -> api.StepResult:
+    async def receive(self) -> wire.StepResult:
         item = await self._results.get()
         if isinstance(item, SessionLost):
             self._results.put_nowait(item)

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
-from kvgate.admission_service.sim.report import SimReport, build_report
-from kvgate.admission_service.sim.runner import RequestOutcome, RunResult, arrivals, run_once
-from kvgate.admission_service.sim.workload import ExitMode, Workload, WorkloadError
-from kvgate.gpu_executor.api import NewRequest
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.loader import DType, LoadedModel, load_model
 from kvgate.gpu_executor.reference import reference_generate
+from kvgate.protocol.step import NewRequest
+from kvgate.sim.report import SimReport, build_report
+from kvgate.sim.runner import RequestOutcome, RunResult, arrivals, run_once
+from kvgate.sim.workload import ExitMode, Workload, WorkloadError
 
 
 def fit_to_model(workload: Workload, loaded: LoadedModel) -> Workload:

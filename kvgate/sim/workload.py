@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvgate.admission_service.scheduler.config import SchedulerConfig
-from kvgate.admission_service.sim.hashing import mix, text_hash
+from kvgate.sim.hashing import mix, text_hash
 
 
 class ExitMode(StrEnum):

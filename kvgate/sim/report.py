@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.admission_service.sim.runner import RunResult
+from kvgate.sim.runner import RunResult
 
 
 def _percentile(values: list[int], q: float) -> float:

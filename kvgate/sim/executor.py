@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvgate.admission_service.sim.hashing import mix, text_hash
-from kvgate.admission_service.sim.workload import ExitMode, ModelSection
-from kvgate.gpu_executor.api import (
+from kvgate.protocol.step import (
     DecodeOutcomes,
     ErrorCode,
     ExecutorCounters,
@@ -34,6 +32,8 @@ from kvgate.gpu_executor.api import (
     StepPlan,
     StepResult,
 )
+from kvgate.sim.hashing import mix, text_hash
+from kvgate.sim.workload import ExitMode, ModelSection
 
 
 class SimulationError(RuntimeError):

@@ -27,15 +27,15 @@ from kvgate.admission_service.scheduler.events import AdmissionKind, FinishedEve
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import Scheduler
 from kvgate.admission_service.scheduler.strategy import Strategy
-from kvgate.admission_service.sim.executor import SimExecutor
-from kvgate.admission_service.sim.workload import Workload
-from kvgate.gpu_executor.api import (
+from kvgate.protocol.step import (
     ExecutorCounters,
     LoopParams,
     SamplingParams,
     StepPlan,
     StepResult,
 )
+from kvgate.sim.executor import SimExecutor
+from kvgate.sim.workload import Workload
 
 
 class StepExecutor(Protocol):

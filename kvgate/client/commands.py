@@ -23,8 +23,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from kvgate.admission_service.kafka_io import client_options
-from kvgate.admission_service.messages import TRACEPARENT_HEADER
 from kvgate.admission_service.settings import KafkaSettings, SettingsError, load_settings
+from kvgate.protocol.records import TRACEPARENT_HEADER
 from kvgate.telemetry.context import traceparent_of
 
 

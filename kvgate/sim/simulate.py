@@ -9,15 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
-from kvgate.admission_service.sim.report import SimReport, build_report
-from kvgate.admission_service.sim.runner import (
+from kvgate.sim.report import SimReport, build_report
+from kvgate.sim.runner import (
     ExecutorFactory,
     RunResult,
     run_once,
     sim_executor,
     unconstrained,
 )
-from kvgate.admission_service.sim.workload import Workload
+from kvgate.sim.workload import Workload
 
 ReferenceRun = Callable[[Workload], RunResult]
 

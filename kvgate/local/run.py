@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvgate.admission_service.cli import configure_telemetry
 from kvgate.admission_service.settings import TelemetrySettings
-from kvgate.admission_service.stack import LocalStack, StackOptions
+from kvgate.local.stack import LocalStack, StackOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

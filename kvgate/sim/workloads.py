@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvgate.admission_service.scheduler.config import AdmissionPricing, Mode, SchedulerConfig
-from kvgate.admission_service.sim.hashing import mix
-from kvgate.admission_service.sim.workload import (
+from kvgate.sim.hashing import mix
+from kvgate.sim.workload import (
     CacheSection,
     ExitMode,
     ModelSection,

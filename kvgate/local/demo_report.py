@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.admission_service.engine import StepSample
-from kvgate.admission_service.messages import InferenceResult, ResultStatus
+from kvgate.protocol.records import InferenceResult, ResultStatus
 
 _WORDS = [
     "kafka",

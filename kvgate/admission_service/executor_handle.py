@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorState, ExecutorStatus
 from kvgate.admission_service.executor_client import (
     ConnectFailed,
     Connector,
@@ -44,7 +43,8 @@ from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, S
 from kvgate.admission_service.scheduler.errors import PlanRejected, SchedulerStalled
 from kvgate.admission_service.scheduler.events import RequestEvent, StepReport
 from kvgate.admission_service.scheduler.scheduler import RequestProgress, Scheduler
-from kvgate.gpu_executor.api import ExecutorCounters, ExecutorInfo, StepPlan, StepResult
+from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
+from kvgate.protocol.step import ExecutorCounters, ExecutorInfo, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from kvgate.admission_service.sim.report import SimReport
-from kvgate.admission_service.sim.simulate import load_strategy, simulate
-from kvgate.admission_service.sim.workload import WorkloadError, load_workload
+from kvgate.sim.report import SimReport
+from kvgate.sim.simulate import load_strategy, simulate
+from kvgate.sim.workload import WorkloadError, load_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
     if args.executor == "real":
-        from kvgate.sim_real import simulate_real  # noqa: PLC0415 - torch only when asked
+        from kvgate.sim.real import simulate_real  # noqa: PLC0415 - torch only when asked
 
         try:
             report = simulate_real(

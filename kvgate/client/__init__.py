@@ -1,0 +1,1 @@
+"""Kafka client commands for any cluster: ``kvgate produce`` and ``kvgate results``."""
