@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from kvgate.admission_service.scheduler import batch
 from kvgate.admission_service.scheduler.admission import plan_start, start
-from kvgate.admission_service.scheduler.config import RestoreMode
 from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.policy import EvictionReason
 from kvgate.admission_service.scheduler.preemption import evict
 from kvgate.admission_service.scheduler.request import Request
 from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.protocol.enums import RestoreMode
 
 
 def _footprint_victim(

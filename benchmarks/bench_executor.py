@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvgate.gpu_executor.config import ModelFamily
 from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.loader import DType, load_model
+from kvgate.gpu_executor.loader import load_model
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol import step as wire
+from kvgate.protocol.enums import DType, ModelFamily
 
 SMALL = TinyModelSpec(
     family=ModelFamily.LLAMA, vocab_size=4096, hidden_size=512, intermediate_size=1408,

@@ -50,14 +50,8 @@ from kvgate.admission_service.tracking import (
 )
 from kvgate.admission_service.validation import Accepted, RawRecord, Rejection, build_spec
 from kvgate.protocol.admin import ExecutorSpec, ExecutorStatus
-from kvgate.protocol.records import (
-    FinishReason,
-    InferenceResult,
-    RejectCode,
-    ResultStatus,
-    SourceRef,
-    TokenChunk,
-)
+from kvgate.protocol.enums import FinishReason
+from kvgate.protocol.records import InferenceResult, RejectCode, ResultStatus, SourceRef, TokenChunk
 from kvgate.protocol.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)

@@ -83,10 +83,6 @@ class PartitionLedger:
     def in_flight(self, offset: int) -> bool:
         return offset in self._open
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._open)
-
     def commit_point(self, finals: Mapping[int, int | None] = {}) -> CommitPoint | None:
         """Where to commit once ``finals`` (offset -> its results offset, if it wrote one)
         are durable too; None when nothing new could be committed."""

@@ -33,7 +33,9 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvgate.admission_service.scheduler.config import SchedulerConfig
+from kvgate.protocol import topics
 from kvgate.protocol.admin import ExecutorSpec
+from kvgate.protocol.enums import SaslMechanism, SecurityProtocol
 
 ENV_PREFIX = "KVGATE_"
 TopicName = Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")]
@@ -54,19 +56,6 @@ class ExactlyOnce(StrEnum):
     AUTO = "auto"
     ON = "on"
     OFF = "off"
-
-
-class SecurityProtocol(StrEnum):
-    PLAINTEXT = "PLAINTEXT"
-    SSL = "SSL"
-    SASL_PLAINTEXT = "SASL_PLAINTEXT"
-    SASL_SSL = "SASL_SSL"
-
-
-class SaslMechanism(StrEnum):
-    PLAIN = "PLAIN"
-    SCRAM_SHA_256 = "SCRAM-SHA-256"
-    SCRAM_SHA_512 = "SCRAM-SHA-512"
 
 
 class IsolationLevel(StrEnum):
@@ -95,11 +84,11 @@ def _read_secret(inline: SecretStr | None, path: Path | None, what: str) -> str 
 
 class KafkaSettings(_Section):
     bootstrap_servers: Annotated[str, Field(pattern=r"^[^\s,]+(,[^\s,]+)*$")]
-    request_topic: TopicName = "kvgate.requests"
-    result_topic: TopicName = "kvgate.results"
+    request_topic: TopicName = topics.REQUESTS
+    result_topic: TopicName = topics.RESULTS
     token_topic: TopicName | None = None  # the optional token stream
-    abort_topic: TopicName = "kvgate.aborts"
-    dlq_topic: TopicName = "kvgate.requests.dlq"
+    abort_topic: TopicName = topics.ABORTS
+    dlq_topic: TopicName = topics.DEAD_LETTER
     group_id: Annotated[str, Field(min_length=1, max_length=255)] = "kvgate-admission"
     client_id: Annotated[str, Field(min_length=1)] = "kvgate-admission"
     # Topics missing at start are created with this many partitions (results, tokens and dead

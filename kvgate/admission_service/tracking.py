@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Span
 
 from kvgate.admission_service.scheduler.events import FinishedEvent
-from kvgate.admission_service.scheduler.request import FinishReason as SchedulerFinish
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import RequestProgress
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.validation import RawRecord
+from kvgate.protocol.enums import FinishReason
+from kvgate.protocol.enums import FinishReason as SchedulerFinish
 from kvgate.protocol.records import (
-    FinishReason,
     InferenceRequest,
     InferenceResult,
     RejectCode,

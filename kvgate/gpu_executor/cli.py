@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.kv_cache import DEFAULT_BLOCK_SIZE
-from kvgate.gpu_executor.loader import DType
+from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy
 
 if TYPE_CHECKING:
     from kvgate.gpu_executor.server import ExecutorServer
@@ -32,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    parser.add_argument("--dtype", choices=[d.value for d in DType], default=DType.AUTO.value)
+    parser.add_argument(
+        "--dtype", choices=[AUTO_DTYPE, *(d.value for d in DType)], default=AUTO_DTYPE
+    )
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument("--num-blocks", type=int, help="KV cache blocks (required on CPU)")
     sizing.add_argument(
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
             memory_fraction=memory_fraction,
             device=args.device,
-            dtype=DType(args.dtype),
+            dtype=AUTO_DTYPE if args.dtype == AUTO_DTYPE else DType(args.dtype),
             host_snapshot_blocks=args.host_snapshot_blocks,
             executor_id=args.executor_id,
             block_size=args.block_size,

@@ -23,14 +23,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvgate.protocol.enums import ModelFamily
+
 
 class CheckpointError(ValueError):
     """A model directory that cannot be served, with the reason in the message."""
-
-
-class ModelFamily(StrEnum):
-    LLAMA = "llama"
-    LOOPED = "looped"
 
 
 class RopeType(StrEnum):

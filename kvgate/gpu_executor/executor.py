@@ -19,19 +19,19 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 
 from kvgate import kernels
 from kvgate.gpu_executor.calibration import measure_costs, profile_forward
-from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.kv_cache import (
     DEFAULT_BLOCK_SIZE,
     KVCache,
     blocks_for_memory_fraction,
 )
-from kvgate.gpu_executor.loader import DType, LoadedModel, load_model
+from kvgate.gpu_executor.loader import DTypeChoice, LoadedModel, load_model
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import RequestState, Snapshot
 from kvgate.gpu_executor.runner import StepRunner
 from kvgate.gpu_executor.step_span import kv_attributes, plan_attributes, result_attributes
 from kvgate.gpu_executor.validate import Geometry, PlanError, PlanValidator
 from kvgate.protocol import step as wire
+from kvgate.protocol.enums import AUTO_DTYPE, ExitPolicy
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import context_from_traceparent, span_context_from_traceparent
 
@@ -55,7 +55,7 @@ class Executor:
         *,
         num_blocks: int | None,
         device: torch.device | str = "cpu",
-        dtype: DType | torch.dtype = DType.AUTO,
+        dtype: DTypeChoice = AUTO_DTYPE,
         host_snapshot_blocks: int = 0,
         memory_fraction: float | None = None,
         executor_id: str = "executor-0",

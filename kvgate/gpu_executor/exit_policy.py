@@ -13,14 +13,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
+from kvgate.protocol.enums import ExitPolicy
 from kvgate.protocol.step import LoopParams
-
-
-class ExitPolicy(StrEnum):
-    FIXED = "fixed"
-    GATE = "gate"
 
 
 @dataclass(frozen=True)

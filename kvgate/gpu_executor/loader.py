@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -12,15 +12,9 @@ from kvgate.gpu_executor.config import CheckpointError, load_config
 from kvgate.gpu_executor.model import Model, assemble_weights
 from kvgate.gpu_executor.tokenizer import TextTokenizer, load_tokenizer
 from kvgate.gpu_executor.weights import read_checkpoint
+from kvgate.protocol.enums import AUTO_DTYPE, DType
 
-
-class DType(StrEnum):
-    """``auto``: fp32 on CPU; on GPU the checkpoint's ``torch_dtype`` (bf16 when it has none)."""
-
-    AUTO = "auto"
-    FLOAT32 = "float32"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
+DTypeChoice = DType | Literal["auto"] | torch.dtype
 
 
 _TORCH_DTYPES = {
@@ -31,12 +25,12 @@ _TORCH_DTYPES = {
 
 
 def resolve_dtype(
-    dtype: DType | torch.dtype, device: torch.device, config_dtype: str | None
+    dtype: DTypeChoice, device: torch.device, config_dtype: str | None
 ) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is not DType.AUTO:
-        return _TORCH_DTYPES[dtype]
+    if dtype != AUTO_DTYPE:
+        return _TORCH_DTYPES[DType(dtype)]
     if device.type == "cpu":
         return torch.float32
     by_name = {d.value: t for d, t in _TORCH_DTYPES.items()} | {"float": torch.float32}
@@ -54,7 +48,7 @@ def load_model(
     model_dir: Path | str,
     *,
     device: torch.device | str = "cpu",
-    dtype: DType | torch.dtype = DType.AUTO,
+    dtype: DTypeChoice = AUTO_DTYPE,
 ) -> LoadedModel:
     """Read and check a model directory; raises CheckpointError with the reason."""
     path = Path(model_dir)

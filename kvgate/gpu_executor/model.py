@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvgate.gpu_executor.config import ModelConfig, ModelFamily
+from kvgate.gpu_executor.config import ModelConfig
 from kvgate.gpu_executor.rope import RotaryTable
 from kvgate.gpu_executor.weights import layer_prefix
+from kvgate.protocol.enums import ModelFamily
 
 # (layer, query [n, Hq, D], key [n, Hkv, D], value [n, Hkv, D]) -> attention output [n, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

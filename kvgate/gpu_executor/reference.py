@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvgate.gpu_executor.exit_policy import ExitPolicy, decide, uses_gate
+from kvgate.gpu_executor.exit_policy import decide, uses_gate
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import is_finished
 from kvgate.gpu_executor.sampler import SampleRow, sample
+from kvgate.protocol.enums import ExitPolicy
 from kvgate.protocol.step import NewRequest
 
 

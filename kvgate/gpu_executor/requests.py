@@ -102,10 +102,6 @@ class RequestState:
         return len(self.prompt) + max(len(self.outputs) - 1, 0)
 
     @property
-    def fill_done(self) -> bool:
-        return self.cursor is not None
-
-    @property
     def num_pages(self) -> int:
         return len(self.block_tables[0])
 

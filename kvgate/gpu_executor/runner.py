@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvgate import kernels
-from kvgate.gpu_executor.exit_policy import ExitPolicy, decide, uses_gate
+from kvgate.gpu_executor.exit_policy import decide, uses_gate
 from kvgate.gpu_executor.kv_cache import KVCache
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import DecodeCursor, PendingHidden, RequestState, is_finished
 from kvgate.gpu_executor.sampler import SampleRow, sample
 from kvgate.gpu_executor.timing import KernelTimer
+from kvgate.protocol.enums import ExitPolicy
 from kvgate.protocol.step import PrefillRow, SampledToken
 
 

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 
-from kvgate.gpu_executor.config import ModelFamily, parse_config
+from kvgate.gpu_executor.config import parse_config
 from kvgate.gpu_executor.tokenizer import (
     BOS_TOKEN,
     BYTE_VOCAB_SIZE,
@@ -29,6 +29,7 @@ from kvgate.gpu_executor.tokenizer import (
     build_byte_tokenizer,
 )
 from kvgate.gpu_executor.weights import INDEX_FILE, SINGLE_FILE, expected_shapes
+from kvgate.protocol.enums import ModelFamily
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

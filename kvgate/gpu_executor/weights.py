@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvgate.gpu_executor.config import CheckpointError, ModelConfig, ModelFamily
+from kvgate.gpu_executor.config import CheckpointError, ModelConfig
+from kvgate.protocol.enums import ModelFamily
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

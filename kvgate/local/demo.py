@@ -37,6 +37,7 @@ from kvgate.local.demo_report import (
     summary_rows,
 )
 from kvgate.local.stack import LocalStack, StackOptions
+from kvgate.protocol import topics
 from kvgate.protocol.records import TRACEPARENT_HEADER, InferenceResult
 from kvgate.telemetry.context import traceparent_of
 from kvgate.telemetry.spans_file import JsonLinesSpanExporter
@@ -123,7 +124,7 @@ async def _run_workload(
 ) -> tuple[dict[str, InferenceResult], float]:
     expected = {r.request_id for r in workload if r.expects_result}
     consumer = AIOKafkaConsumer(
-        "kvgate.results", bootstrap_servers=bootstrap, auto_offset_reset="earliest"
+        topics.RESULTS, bootstrap_servers=bootstrap, auto_offset_reset="earliest"
     )
     await consumer.start()
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
@@ -138,7 +139,7 @@ async def _run_workload(
             ) as span:
                 headers = [(TRACEPARENT_HEADER, traceparent_of(span.get_span_context()).encode())]
                 await producer.send_and_wait(
-                    "kvgate.requests",
+                    topics.REQUESTS,
                     request.value,
                     key=request.request_id.encode(),
                     headers=headers,

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvgate.admission_service.cli import configure_telemetry
 from kvgate.admission_service.settings import TelemetrySettings
 from kvgate.local.stack import LocalStack, StackOptions
+from kvgate.protocol import topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +53,7 @@ async def _serve(args: argparse.Namespace) -> int:
         broker_port=args.port,
         max_num_seqs=32,
     )
-    overrides = {"kafka": {"token_topic": "kvgate.tokens"}} if args.token_topic else {}
+    overrides = {"kafka": {"token_topic": topics.TOKENS}} if args.token_topic else {}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -30,47 +30,14 @@ from pydantic_core import PydanticCustomError
 
 from kvgate.admission_service.scheduler.config import SchedulerConfig
 from kvgate.operator.naming import MODEL_DIR, pool_name_problem
-
-
-class ModelFamily(StrEnum):
-    """Executor model families. ``llama`` runs its layers once; ``looped`` reuses a core."""
-
-    LLAMA = "llama"
-    LOOPED = "looped"
-
-
-class ExitPolicy(StrEnum):
-    """How a looped executor decides a token's depth (the executor's ``--exit-policy``)."""
-
-    FIXED = "fixed"
-    GATE = "gate"
-
-
-class DType(StrEnum):
-    """Executor weight and activation dtype (the executor's ``--dtype``)."""
-
-    FLOAT32 = "float32"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
+from kvgate.protocol import topics
+from kvgate.protocol.enums import DType, ExitPolicy, ModelFamily, SaslMechanism, SecurityProtocol
 
 
 class PullPolicy(StrEnum):
     ALWAYS = "Always"
     IF_NOT_PRESENT = "IfNotPresent"
     NEVER = "Never"
-
-
-class KafkaSecurityProtocol(StrEnum):
-    PLAINTEXT = "PLAINTEXT"
-    SSL = "SSL"
-    SASL_PLAINTEXT = "SASL_PLAINTEXT"
-    SASL_SSL = "SASL_SSL"
-
-
-class SaslMechanism(StrEnum):
-    PLAIN = "PLAIN"
-    SCRAM_SHA_256 = "SCRAM-SHA-256"
-    SCRAM_SHA_512 = "SCRAM-SHA-512"
 
 
 class TolerationOperator(StrEnum):
@@ -238,11 +205,11 @@ class KvCacheSpec(_Spec):
 
 
 class KafkaTopics(_Spec):
-    requests: TopicName = "kvgate.requests"
-    results: TopicName = "kvgate.results"
+    requests: TopicName = topics.REQUESTS
+    results: TopicName = topics.RESULTS
     tokens: TopicName | None = None
-    aborts: TopicName = "kvgate.aborts"
-    dead_letter: TopicName = "kvgate.requests.dlq"
+    aborts: TopicName = topics.ABORTS
+    dead_letter: TopicName = topics.DEAD_LETTER
 
 
 class SaslSpec(_Spec):
@@ -269,17 +236,17 @@ class TlsSpec(_Spec):
 
 
 class KafkaSecurity(_Spec):
-    protocol: KafkaSecurityProtocol = KafkaSecurityProtocol.PLAINTEXT
+    protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
     sasl: SaslSpec | None = None
     tls: TlsSpec | None = None
 
     @model_validator(mode="after")
     def _matches_protocol(self) -> KafkaSecurity:
         uses_sasl = self.protocol in (
-            KafkaSecurityProtocol.SASL_PLAINTEXT,
-            KafkaSecurityProtocol.SASL_SSL,
+            SecurityProtocol.SASL_PLAINTEXT,
+            SecurityProtocol.SASL_SSL,
         )
-        uses_tls = self.protocol in (KafkaSecurityProtocol.SSL, KafkaSecurityProtocol.SASL_SSL)
+        uses_tls = self.protocol in (SecurityProtocol.SSL, SecurityProtocol.SASL_SSL)
         if uses_sasl and self.sasl is None:
             raise ValueError(f"protocol {self.protocol} needs sasl settings")
         if not uses_sasl and self.sasl is not None:

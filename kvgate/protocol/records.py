@@ -4,13 +4,7 @@ Every body is JSON validated by a pydantic model with ``extra="forbid"`` and a
 ``schema_version``; a producer that sends a field this version does not know is told so in the
 dead-letter reason instead of having it silently ignored.
 
-```
-kvgate.requests       key = request_id   value = InferenceRequest   header traceparent (W3C)
-kvgate.results        key = request_id   value = InferenceResult    same partition as the request
-kvgate.tokens         key = request_id   value = TokenChunk         same partition as the request
-kvgate.aborts         key = request_id   value = AbortRequest
-kvgate.requests.dlq   key = original     value = original bytes     headers += kvgate-dlq-*
-```
+Topics, keys and headers: :mod:`kvgate.protocol.topics`.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvgate.admission_service.scheduler.config import RestoreMode
+from kvgate.protocol.enums import FinishReason, RestoreMode
 
 SCHEMA_VERSION: Final = 1
 REQUEST_ID_PATTERN: Final = r"^[A-Za-z0-9._:/@+=-]{1,256}$"
@@ -92,13 +86,6 @@ class ResultStatus(StrEnum):
     REJECTED = "rejected"  # never ran: bad input or impossible to serve here (see reason)
     ABORTED = "aborted"  # cancelled (finish_reason abort) or out of time (deadline)
     FAILED = "failed"  # the service could not finish it (see reason)
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    DEADLINE = "deadline"
 
 
 class Usage(_Message):

@@ -15,9 +15,9 @@ import torch
 
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
 from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.exit_policy import ExitPolicy
-from kvgate.gpu_executor.loader import DType, LoadedModel, load_model
+from kvgate.gpu_executor.loader import LoadedModel, load_model
 from kvgate.gpu_executor.reference import reference_generate
+from kvgate.protocol.enums import DType, ExitPolicy
 from kvgate.protocol.step import NewRequest
 from kvgate.sim.report import SimReport, build_report
 from kvgate.sim.runner import RequestOutcome, RunResult, arrivals, run_once

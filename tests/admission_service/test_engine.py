@@ -6,11 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState
-from kvgate.protocol.records import (
-    FinishReason,
-    RejectCode,
-    ResultStatus,
-)
+from kvgate.protocol.enums import FinishReason
+from kvgate.protocol.records import RejectCode, ResultStatus
 
 from .helpers import (
     make_rig,

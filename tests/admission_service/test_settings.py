@@ -15,13 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.admission_service.scheduler.config import PreemptionMode
-from kvgate.admission_service.settings import (
-    ExactlyOnce,
-    SaslMechanism,
-    SecurityProtocol,
-    SettingsError,
-    load_settings,
-)
+from kvgate.admission_service.settings import ExactlyOnce, SettingsError, load_settings
+from kvgate.protocol.enums import SaslMechanism, SecurityProtocol
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgate.gpu_executor.config import ModelFamily
 from kvgate.gpu_executor.loader import LoadedModel, load_model
 from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+from kvgate.protocol.enums import ModelFamily
 
 # One intra-op thread: tiny matmuls gain nothing from more, and on a shared, oversubscribed
 # machine OpenMP workers waiting for each other make every op milliseconds slow.

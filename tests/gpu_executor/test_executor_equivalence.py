@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.loader import LoadedModel
 from kvgate.protocol import step as wire
+from kvgate.protocol.enums import ExitPolicy
 from tests.gpu_executor.driver import Driver, DriverConfig
 from tests.gpu_executor.workloads import mixed_requests, reference_outputs
 

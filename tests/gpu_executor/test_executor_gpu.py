@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.loader import DType, load_model
+from kvgate.gpu_executor.loader import load_model
 from kvgate.protocol import step as wire
+from kvgate.protocol.enums import DType
 from tests.gpu_executor.driver import Driver, DriverConfig
 from tests.gpu_executor.workloads import mixed_requests, reference_outputs
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvgate.gpu_executor.config import CheckpointError, ModelFamily, RopeScaling, RopeType
+from kvgate.gpu_executor.config import CheckpointError, RopeScaling, RopeType
 from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.loader import DType, load_model
+from kvgate.gpu_executor.loader import load_model
 from kvgate.gpu_executor.reference import dense_causal_attention, reference_generate
 from kvgate.gpu_executor.rope import inverse_frequencies
 from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol import step as wire
+from kvgate.protocol.enums import DType, ModelFamily
 from tests.gpu_executor.hf_forward import hf_last_logits
 
 SMALL = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}

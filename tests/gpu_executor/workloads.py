@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from kvgate.gpu_executor.exit_policy import ExitPolicy
 from kvgate.gpu_executor.loader import LoadedModel
 from kvgate.gpu_executor.reference import reference_generate
 from kvgate.protocol import step as wire
+from kvgate.protocol.enums import ExitPolicy
 
 _SAMPLINGS = [
     wire.SamplingParams(max_tokens=9),

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvgate.protocol.records import FinishReason, RejectCode, ResultStatus
+from kvgate.protocol.enums import FinishReason
+from kvgate.protocol.records import RejectCode, ResultStatus
 from tests.admission_service.helpers import reference_outputs, request_body
 from tests.admission_service.kafka_helpers import (
     Topics,

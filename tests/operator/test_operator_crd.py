@@ -32,10 +32,11 @@ from kvgate.admission_service.scheduler.config import (
     PreemptionMode,
     SchedulerConfig,
 )
-from kvgate.gpu_executor.exit_policy import ExitPolicy as ExecutorExitPolicy
-from kvgate.operator.models import DType, ExecutorPoolSpec, ExitPolicy, ModelFamily, parse_spec
+from kvgate.operator.models import ExecutorPoolSpec, parse_spec
 from kvgate.operator.naming import GROUP, KIND, PLURAL, VERSION
 from kvgate.operator.status import ConditionType, Phase
+from kvgate.protocol.enums import DType, ExitPolicy, ModelFamily
+from kvgate.protocol.enums import ExitPolicy as ExecutorExitPolicy
 from tests.operator.cluster import pool_manifest
 from tests.operator.examples import FULL_SPEC
 

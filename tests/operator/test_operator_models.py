@@ -9,13 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvgate.operator.config import OperatorConfig
-from kvgate.operator.models import (
-    DType,
-    InvalidSpecError,
-    KafkaSecurityProtocol,
-    ModelFamily,
-    parse_spec,
-)
+from kvgate.operator.models import InvalidSpecError, parse_spec
 from kvgate.operator.observe import PodPhase, covers, observe_pod, observe_pool
 from kvgate.operator.status import (
     ConditionStatus,
@@ -24,6 +18,7 @@ from kvgate.operator.status import (
     merge_conditions,
     parse_conditions,
 )
+from kvgate.protocol.enums import DType, ModelFamily, SecurityProtocol
 from tests.operator.cluster import pool_manifest
 
 
@@ -51,7 +46,7 @@ def test_defaults() -> None:
     assert spec.model.family is ModelFamily.LLAMA and spec.model.dtype is DType.BFLOAT16
     assert spec.model.loops == 1
     assert spec.token_secret.key == "token"
-    assert spec.kafka.security.protocol is KafkaSecurityProtocol.PLAINTEXT
+    assert spec.kafka.security.protocol is SecurityProtocol.PLAINTEXT
     assert spec.kafka.topics.requests == "kvgate.requests"
     assert spec.admission.replicas == 1
     assert spec.drain_timeout_seconds == 300

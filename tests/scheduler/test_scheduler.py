@@ -18,10 +18,10 @@ from kvgate.admission_service.scheduler.errors import (
 )
 from kvgate.admission_service.scheduler.events import FinishedEvent
 from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.request import FinishReason
 from kvgate.admission_service.scheduler.scheduler import Scheduler
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy
+from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.step import ErrorCode, StepError, StepResult
 from tests.scheduler.harness import Rig, spec
 

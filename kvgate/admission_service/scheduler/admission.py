@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.admission_service.scheduler.config import AdmissionPricing, RestoreMode
+from kvgate.admission_service.scheduler.config import AdmissionPricing
 from kvgate.admission_service.scheduler.events import AdmissionKind
 from kvgate.admission_service.scheduler.fill import Fill
 from kvgate.admission_service.scheduler.kv import Page
@@ -41,6 +41,7 @@ from kvgate.admission_service.scheduler.preemption import evict_all, find_victim
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
 from kvgate.admission_service.scheduler.reserve import GrowthReserve
 from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.protocol.enums import RestoreMode
 from kvgate.protocol.step import NewRequest
 
 

@@ -42,13 +42,6 @@ class AdmissionPricing(StrEnum):
     FIRST_CHUNK = "first_chunk"
 
 
-class RestoreMode(StrEnum):
-    """How one preempted request will come back (the choice ``auto`` makes per victim)."""
-
-    SNAPSHOT = "snapshot"
-    RECOMPUTE = "recompute"
-
-
 class _Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

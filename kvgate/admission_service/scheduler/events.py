@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple
 
-from kvgate.admission_service.scheduler.config import RestoreMode
 from kvgate.admission_service.scheduler.policy import EvictionReason
-from kvgate.admission_service.scheduler.request import FinishReason
+from kvgate.protocol.enums import FinishReason, RestoreMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,9 @@ class FinishedEvent:
 RequestEvent = TokenEvent | FinishedEvent
 
 
-class AdmissionKind:
+class AdmissionKind(StrEnum):
+    """How a request entered the running set: fresh, or restored by snapshot or recompute."""
+
     FRESH = "fresh"
     SNAPSHOT = "snapshot"
     RECOMPUTE = "recompute"

@@ -49,7 +49,6 @@ class BlockPool:
         self._cache: dict[bytes, Page] = {}
         self._cached_digest: dict[int, bytes] = {}  # first block of a cached page -> digest
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # LRU first
-        self.prefix_hits_pages = 0
 
     # --- views -------------------------------------------------------------------------------
     @property
@@ -125,7 +124,6 @@ class BlockPool:
             return None
         for page in prefix:
             self._incref(page)
-        self.prefix_hits_pages += len(prefix)
         fresh = self._claim(num_pages - len(prefix))
         self._tables[request_id] = [*prefix, *fresh]
         return fresh

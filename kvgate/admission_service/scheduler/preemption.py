@@ -7,13 +7,14 @@ nothing is evicted — so a preemption always lets its requester proceed in the 
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.config import PreemptionMode, RestoreMode
+from kvgate.admission_service.scheduler.config import PreemptionMode
 from kvgate.admission_service.scheduler.events import Preemption
 from kvgate.admission_service.scheduler.kv import Page
 from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.policy import EvictionReason, may_evict, past_last_victim
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
 from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.protocol.enums import RestoreMode
 
 
 def find_victims(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvgate.admission_service.scheduler.config import RestoreMode
 from kvgate.admission_service.scheduler.fill import Fill
+from kvgate.protocol.enums import FinishReason, RestoreMode
 from kvgate.protocol.step import LoopParams, SamplingParams
 
 
@@ -14,13 +14,6 @@ class RequestStatus(StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # end-of-sequence token
-    LENGTH = "length"  # max_tokens reached
-    ABORT = "abort"  # cancelled by the client
-    DEADLINE = "deadline"  # its deadline passed before it finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +93,6 @@ class Request:
     def cursor_position(self) -> int:
         """Position of the token the next decode pass feeds."""
         return self.prompt_len + len(self.output_token_ids) - 1
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.fill is None and bool(self.output_token_ids)
 
     @property
     def kv_frontier(self) -> int:

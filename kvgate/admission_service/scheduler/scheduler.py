@@ -33,14 +33,10 @@ from kvgate.admission_service.scheduler.feasibility import check_feasible
 from kvgate.admission_service.scheduler.kv import BlockPool, page_hashes
 from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.policy import admission_key, priority_class
-from kvgate.admission_service.scheduler.request import (
-    FinishReason,
-    Request,
-    RequestSpec,
-    RequestStatus,
-)
+from kvgate.admission_service.scheduler.request import Request, RequestSpec, RequestStatus
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
+from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.step import StepPlan, StepResult
 
 

@@ -1,0 +1,18 @@
+"""kvgate's default Kafka topic names (the service settings and the operator's CRD both start here).
+
+```
+kvgate.requests       key = request_id   value = InferenceRequest   header traceparent (W3C)
+kvgate.results        key = request_id   value = InferenceResult    same partition as the request
+kvgate.tokens         key = request_id   value = TokenChunk         same partition (optional)
+kvgate.aborts         key = request_id   value = AbortRequest
+kvgate.requests.dlq   key = original     value = original bytes     headers += kvgate-dlq-*
+```
+"""
+
+from typing import Final
+
+REQUESTS: Final = "kvgate.requests"
+RESULTS: Final = "kvgate.results"
+TOKENS: Final = "kvgate.tokens"
+ABORTS: Final = "kvgate.aborts"
+DEAD_LETTER: Final = "kvgate.requests.dlq"
