@@ -10,19 +10,12 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from aiohttp import web
 
 from kvgate.gpu_executor.kv_cache import DEFAULT_BLOCK_SIZE
 from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy
+from kvgate.step_server.server import TOKEN_ENV, StepServer, read_token, serve
 
-if TYPE_CHECKING:
-    from kvgate.gpu_executor.server import ExecutorServer
-
-TOKEN_ENV = "KVGATE_EXECUTOR_TOKEN"
 log = logging.getLogger("kvgate.executor")
 
 
@@ -64,19 +57,8 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def read_token(token_file: Path | None) -> str:
-    if token_file is not None:
-        token = token_file.read_text().strip()
-    else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-    if not token:
-        raise ValueError(f"no bearer token: set ${TOKEN_ENV} or pass --token-file")
-    return token
-
-
 def run(args: argparse.Namespace) -> int:
     from kvgate.gpu_executor.executor import Executor  # noqa: PLC0415
-    from kvgate.gpu_executor.server import ExecutorServer  # noqa: PLC0415
     from kvgate.telemetry.setup import configure_tracing  # noqa: PLC0415
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -109,34 +91,9 @@ def run(args: argparse.Namespace) -> int:
             executor.calibrate()
         return executor
 
-    server = ExecutorServer(load, token)
+    server = StepServer(load, token)
     try:
-        return asyncio.run(_serve(server, args.host, args.port))
+        return asyncio.run(serve(server, args.host, args.port))
     finally:
         if provider is not None:
             provider.shutdown()
-
-
-async def _serve(server: ExecutorServer, host: str, port: int) -> int:
-    runner = web.AppRunner(server.app())
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("listening on %s:%d", host, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loading = asyncio.create_task(server.wait_loaded())
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if loading.done() and loading.exception() is not None:
-            log.error("model load failed: %s", loading.exception())
-            return 1
-        await stopping
-        log.info("shutting down")
-        return 0
-    finally:
-        loading.cancel()
-        stopping.cancel()
-        await runner.cleanup()

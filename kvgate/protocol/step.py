@@ -306,7 +306,7 @@ class SessionOpen(_Frozen):
 
     type: Literal["open"] = "open"
     protocol_version: int = PROTOCOL_VERSION
-    epoch: NonNegativeInt
+    epoch: Annotated[int, Field(ge=0, lt=2**63)]  # wall-clock ms of the opener (EpochFence)
     session_id: str
 
 

@@ -1,8 +1,8 @@
 """The simulated executor behind the session protocol: in-process sessions and epoch fencing.
 
-:class:`SimBackend` is one simulated executor with the real executor's session rules: a session
-opens only with an epoch above every epoch accepted before, and accepting one resets the
-executor and fences the older session out. :class:`LocalConnector` opens in-process sessions
+:class:`SimBackend` is one simulated executor with the real executor's session rules
+(:class:`~kvgate.protocol.session.EpochFence`): accepting an epoch resets the executor and
+fences the older session out. :class:`LocalConnector` opens in-process sessions
 to named backends (tests and the ingest benchmark: the whole service without a network);
 ``kvgate sim-executor`` (:mod:`kvgate.sim.server`) serves a backend over the
 real WebSocket protocol.
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.admission_service.executor_client import ConnectFailed, SessionLost, SessionRefused
 from kvgate.protocol import step as wire
+from kvgate.protocol.session import EpochFence
 from kvgate.sim.executor import SimExecutor
 from kvgate.sim.workload import ExitMode, ModelSection
 
@@ -60,12 +61,12 @@ class SimExecutorConfig(BaseModel):
 
 
 class SimBackend:
-    """One simulated executor and its session rules (shared by local and WebSocket serving)."""
+    """One simulated executor and its epoch fence (shared by local and WebSocket serving)."""
 
-    def __init__(self, config: SimExecutorConfig) -> None:
+    def __init__(self, config: SimExecutorConfig, *, fence: EpochFence | None = None) -> None:
         self.config = config
         self.executor = config.build()
-        self.max_epoch: int | None = None
+        self.fence = fence or EpochFence()
         self.steps = 0
         self.plan_traceparents: list[str | None] = []  # per executed plan, for tracing tests
         self._current: LocalSession | None = None
@@ -78,22 +79,16 @@ class SimBackend:
     def info(self) -> wire.ExecutorInfo:
         return self.executor.info
 
-    def accept(self, epoch: int) -> wire.ProtocolError | None:
-        """Fence older sessions and reset; an error when ``epoch`` is not newer."""
-        if self.max_epoch is not None and epoch <= self.max_epoch:
-            return wire.ProtocolError(
-                code=wire.ErrorCode.STALE_EPOCH,
-                message=f"epoch {epoch} is not newer than accepted epoch {self.max_epoch}",
-            )
-        self.max_epoch = epoch
+    @property
+    def counters(self) -> wire.ExecutorCounters:
+        return self.executor.counters
+
+    def reset(self) -> None:
         self.executor.reset()
-        return None
 
     def execute(self, plan: wire.StepPlan) -> wire.StepResult:
         self.steps += 1
         self.plan_traceparents.append(plan.traceparent)
-        if self.steps == self._hold_at_step:
-            self.hold()
         return self.executor.execute(plan)
 
     def hold_after(self, steps: int) -> None:
@@ -110,6 +105,10 @@ class SimBackend:
         self._released.set()
 
     async def wait_released(self) -> None:
+        """Awaited before each plan runs: returns once results are not held back."""
+        if self._hold_at_step is not None and self.steps >= self._hold_at_step:
+            self._hold_at_step = None
+            self.hold()
         await self._released.wait()
 
 
@@ -187,9 +186,10 @@ class LocalConnector:
         backend = self.backends.get(name)
         if backend is None or name in self.refused:
             raise ConnectFailed(f"{endpoint}: no such executor is reachable")
-        refusal = backend.accept(epoch)
+        refusal = backend.fence.accept(wire.SessionOpen(epoch=epoch, session_id=f"local-{name}"))
         if refusal is not None:
             raise SessionRefused(refusal.code, refusal.message)
+        backend.reset()
         if backend._current is not None:
             backend._current.lose(f"session epoch {epoch} replaced this one", fenced=True)
         self.connects += 1

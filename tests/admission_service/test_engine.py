@@ -118,11 +118,11 @@ async def test_lost_executor_reconnects_with_a_newer_epoch() -> None:
     backend = rig.connector.backends["a"]
     try:
         await until(lambda: rig.engine.handles["a"].state is ExecutorState.READY)
-        first_epoch = backend.max_epoch
+        first_epoch = backend.fence.max_epoch
         rig.connector.lose("a")
         await until(lambda: rig.engine.handles["a"].sessions == 2, what="reconnect")
-        assert backend.max_epoch is not None and first_epoch is not None
-        assert backend.max_epoch > first_epoch
+        assert backend.fence.max_epoch is not None and first_epoch is not None
+        assert backend.fence.max_epoch > first_epoch
         rig.submit(request_body("after"))
         await settle(rig, 1)
         assert rig.sink.answers["after"].status is ResultStatus.COMPLETED

@@ -27,7 +27,7 @@ from kvgate.protocol.admin import ExecutorSpec, ExecutorState
 from kvgate.protocol.records import ResultStatus
 from kvgate.protocol.step import SamplingParams
 from kvgate.sim.backend import SimBackend, SimExecutorConfig
-from kvgate.sim.server import SimExecutorServer
+from kvgate.sim.server import sim_step_server
 
 from .helpers import make_rig, reference_outputs, request_body, settle, until
 
@@ -37,7 +37,7 @@ TOKEN = "step-token"
 
 async def start_server(port: int = 0, **config: object) -> tuple[TestServer, SimBackend]:
     backend = SimBackend(SimExecutorConfig(**config))  # type: ignore[arg-type]
-    server = TestServer(SimExecutorServer(backend, TOKEN).app(), host="127.0.0.1", port=port)
+    server = TestServer(sim_step_server(backend, TOKEN).app(), host="127.0.0.1", port=port)
     await server.start_server()
     return server, backend
 
@@ -69,7 +69,7 @@ async def test_session_runs_plans_in_order_with_one_in_flight(http: aiohttp.Clie
     server, backend = await start_server(num_blocks=64, block_size=4)
     try:
         session = await connector(http)(url(server), epoch=5)
-        assert session.info.num_blocks == 64 and backend.max_epoch == 5
+        assert session.info.num_blocks == 64 and backend.fence.max_epoch == 5
         from kvgate.admission_service.executor_handle import scheduler_for
         from kvgate.admission_service.scheduler.config import SchedulerConfig
 
@@ -232,7 +232,7 @@ async def test_a_new_session_opens_after_the_old_client_vanished(
             await ws.receive(timeout=5)
         # The old client is gone without a WebSocket close. A new one opens at once.
         session = await asyncio.wait_for(connector(http)(url(server), epoch=2), 5)
-        assert backend.max_epoch == 2
+        assert backend.fence.max_epoch == 2
         await session.close()
     finally:
         await server.close()

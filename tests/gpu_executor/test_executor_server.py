@@ -15,8 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import LoadedModel
-from kvgate.gpu_executor.server import ExecutorServer
 from kvgate.protocol import step as wire
+from kvgate.step_server.server import StepServer
 
 Client = TestClient[web.Request, web.Application]
 TOKEN = "s3cret-token"
@@ -50,8 +50,8 @@ def _decode_plan(step_id: int, rid: str = "r") -> wire.StepPlan:
 
 async def _client(
     load: Callable[[], Executor],
-) -> tuple[ExecutorServer, Client]:
-    server = ExecutorServer(load, TOKEN)
+) -> tuple[StepServer, Client]:
+    server = StepServer(load, TOKEN)
     client = TestClient(TestServer(server.app()))
     await client.start_server()
     return server, client

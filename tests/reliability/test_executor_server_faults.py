@@ -22,8 +22,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.server import ExecutorServer
 from kvgate.protocol import step as wire
+from kvgate.step_server.server import StepServer
 from tests.reliability.processes import parse_metrics, poll
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,7 +70,7 @@ async def test_peer_gone_while_a_plan_runs_ends_the_session_quietly(
         executor.execute = held  # type: ignore[method-assign]
         return executor
 
-    server = ExecutorServer(load, TOKEN)
+    server = StepServer(load, TOKEN)
     client = TestClient(TestServer(server.app()))
     await client.start_server()
     caplog.set_level(logging.ERROR, logger="aiohttp.server")
@@ -98,7 +98,7 @@ async def test_a_new_session_zeroes_the_leak_gauges(looped_model: Path) -> None:
     from kvgate.gpu_executor.loader import load_model
 
     model = load_model(looped_model)
-    server = ExecutorServer(lambda: Executor(model, num_blocks=16, block_size=4), TOKEN)
+    server = StepServer(lambda: Executor(model, num_blocks=16, block_size=4), TOKEN)
     client = TestClient(TestServer(server.app()))
     await client.start_server()
     held = (

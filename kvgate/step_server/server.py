@@ -1,17 +1,20 @@
-"""The executor's network face (aiohttp): the step WebSocket, health, readiness and metrics.
+"""The executor side of the step protocol (aiohttp), for every executor: real or simulated.
 
 ```
-GET /healthz     200 while the process can serve (503 if loading the model failed)
-GET /readyz      200 once weights are loaded and the KV cache allocated, else 503
+GET /healthz     200 while the process can serve (503 if loading the backend failed)
+GET /readyz      200 once the backend is loaded (weights read, KV cache allocated), else 503
 GET /metrics     Prometheus text
 GET /v1/steps    WebSocket, "Authorization: Bearer <token>" required:
                  SessionOpen(epoch) -> SessionAccepted | ProtocolError,
                  then StepPlan* -> StepResult* (in order)
 ```
-Epoch fencing: a SessionOpen is accepted only with an epoch above every epoch accepted before;
-accepting one closes the older session (ProtocolError STALE_EPOCH) and resets the executor.
-Plans run strictly in order on one worker thread while the socket reader keeps accepting the
-next plan, so an admission service can keep one plan in flight (async scheduling).
+Sessions follow :class:`~kvgate.protocol.session.EpochFence`: accepting an epoch closes the
+older session (ProtocolError STALE_EPOCH) and resets the backend. Plans run strictly in order on
+one worker thread while the socket reader keeps accepting the next plan, so an admission service
+can keep one plan in flight (async scheduling). A plan that does not parse but names its step
+still gets an answer, in order with the others (a BAD_PLAN error).
+
+What is served is a :class:`StepBackend`; the server knows nothing of models or tensors.
 """
 
 from __future__ import annotations
@@ -21,23 +24,45 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import Callable
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Protocol
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import ClientError, WSCloseCode, WSMsgType, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter, ValidationError
 
-from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.metrics import ExecutorMetrics
 from kvgate.protocol import step as wire
+from kvgate.protocol.session import EpochFence
+from kvgate.step_server.metrics import ExecutorMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 2**20
-OPEN_TIMEOUT_S = 30.0
+MAX_MESSAGE_BYTES: Final = 64 * 2**20
+OPEN_TIMEOUT_S: Final = 30.0
 _CLIENT_MESSAGE: TypeAdapter[wire.SessionOpen | wire.StepPlan] = TypeAdapter(wire.ClientMessage)
+
+
+class StepBackend(Protocol):
+    """One executor as the step server drives it; every call runs on the server's worker thread."""
+
+    @property
+    def info(self) -> wire.ExecutorInfo: ...
+
+    @property
+    def counters(self) -> wire.ExecutorCounters: ...
+
+    def reset(self) -> None:
+        """Forget every request and snapshot (a new session starts from nothing)."""
+
+    def execute(self, plan: wire.StepPlan) -> wire.StepResult:
+        """Run one plan; a plan it refuses comes back as a result with an error, not a raise."""
+        ...
 
 
 @dataclass(eq=False)
@@ -51,29 +76,39 @@ class _Session:
     fenced: bool = False  # read by the worker thread before each plan
 
 
-class ExecutorServer:
-    """Serves one executor; ``load`` builds it (in a thread, so health answers meanwhile)."""
+class StepServer:
+    """Serves one backend; ``load`` builds it (in a thread, so health answers meanwhile).
+
+    ``before_step`` is awaited before each plan runs (a simulated executor holds results back
+    with it); ``min_step_time_s`` makes each step take at least that long (an emulated load).
+    """
 
     def __init__(
         self,
-        load: Callable[[], Executor],
+        load: Callable[[], StepBackend],
         token: str,
         *,
         metrics: ExecutorMetrics | None = None,
+        fence: EpochFence | None = None,
+        before_step: Callable[[], Awaitable[None]] | None = None,
+        min_step_time_s: float = 0.0,
     ):
         if not token:
             raise ValueError("the executor needs a non-empty bearer token")
         self._load = load
         self._token = token.encode()
         self.metrics = metrics or ExecutorMetrics()
-        self.executor: Executor | None = None
+        self.fence = fence or EpochFence()
+        self._before_step = before_step
+        self._min_step_time_s = min_step_time_s
+        self.backend: StepBackend | None = None
         self.load_error: BaseException | None = None
         self._loaded = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-step")
-        self._max_epoch: int | None = None
         self._session: _Session | None = None
         self._open_lock = asyncio.Lock()
         self._load_task: asyncio.Task[None] | None = None
+        self._fencing: set[asyncio.Task[None]] = set()  # replaced sessions being told so
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -86,31 +121,31 @@ class ExecutorServer:
         app.on_cleanup.append(self._stop_worker)
         return app
 
-    async def wait_loaded(self) -> Executor:
-        """The executor once loaded; raises what loading raised."""
+    async def wait_loaded(self) -> StepBackend:
+        """The backend once loaded; raises what loading raised."""
         await self._loaded.wait()
-        if self.executor is None:
+        if self.backend is None:
             assert self.load_error is not None
             raise self.load_error
-        return self.executor
+        return self.backend
 
     # ------------------------------------------------------------------------- lifecycle
 
     async def _start_loading(self, _app: web.Application) -> None:
-        self._load_task = asyncio.create_task(self._load_executor())
+        self._load_task = asyncio.create_task(self._load_backend())
 
-    async def _load_executor(self) -> None:
+    async def _load_backend(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            executor = await loop.run_in_executor(self._worker, self._load)
+            backend = await loop.run_in_executor(self._worker, self._load)
         except Exception as exc:
-            log.exception("loading the model failed")
+            log.exception("loading the executor failed")
             self.load_error = exc
         else:
-            self.executor = executor
+            self.backend = backend
             self.metrics.ready.set(1)
-            self.metrics.blocks_total.set(executor.info.num_blocks)
-            log.info("executor ready: %s", executor.info.model_dump_json())
+            self.metrics.blocks_total.set(backend.info.num_blocks)
+            log.info("executor ready: %s", backend.info.model_dump_json())
         finally:
             self._loaded.set()
 
@@ -135,7 +170,7 @@ class ExecutorServer:
         return web.Response(text="ok\n")
 
     async def _readyz(self, _request: web.Request) -> web.Response:
-        if self.executor is None:
+        if self.backend is None:
             return web.Response(status=503, text="loading\n")
         return web.Response(text="ready\n")
 
@@ -155,7 +190,7 @@ class ExecutorServer:
             return web.Response(
                 status=401, text="bearer token required\n", headers={"WWW-Authenticate": "Bearer"}
             )
-        if self.executor is None:
+        if self.backend is None:
             return web.Response(status=503, text="not ready\n")
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=30.0)
         await ws.prepare(request)
@@ -175,55 +210,49 @@ class ExecutorServer:
 
     # ------------------------------------------------------------------------- sessions
 
-    async def _reject(self, ws: web.WebSocketResponse, code: wire.ErrorCode, message: str) -> None:
-        error = wire.ProtocolError(code=code, message=message)
-        await ws.send_str(error.model_dump_json())
-        await ws.close()
+    async def _reject(self, ws: web.WebSocketResponse, error: wire.ProtocolError) -> None:
+        """Tell the peer why, then close; a peer that is already gone is not waited for."""
+        with contextlib.suppress(ConnectionError, ClientError):
+            await ws.send_str(error.model_dump_json())
+        with contextlib.suppress(ConnectionError, ClientError):
+            await ws.close()
 
     async def _open(self, ws: web.WebSocketResponse) -> _Session | None:
         try:
             msg = await ws.receive(timeout=OPEN_TIMEOUT_S)
         except TimeoutError:
-            await self._reject(ws, wire.ErrorCode.PROTOCOL, "no SessionOpen in time")
+            await self._reject(ws, _protocol_error("no SessionOpen in time"))
             return None
-        opening = _parse(msg.data) if msg.type is WSMsgType.TEXT else None
+        opening: wire.SessionOpen | wire.StepPlan | None = None
+        problem = "the first message must be a SessionOpen"
+        if msg.type is WSMsgType.TEXT:
+            try:
+                opening = _CLIENT_MESSAGE.validate_json(msg.data)
+            except ValidationError as exc:
+                problem = f"{problem}: {_first_error(exc)}"
         if not isinstance(opening, wire.SessionOpen):
             self.metrics.sessions.labels(outcome="protocol_error").inc()
-            await self._reject(
-                ws, wire.ErrorCode.PROTOCOL, "the first message must be a SessionOpen"
-            )
-            return None
-        if opening.protocol_version != wire.PROTOCOL_VERSION:
-            self.metrics.sessions.labels(outcome="protocol_error").inc()
-            await self._reject(
-                ws,
-                wire.ErrorCode.PROTOCOL,
-                f"protocol version {opening.protocol_version}; this executor speaks "
-                f"{wire.PROTOCOL_VERSION}",
-            )
+            await self._reject(ws, _protocol_error(problem))
             return None
         async with self._open_lock:
-            if self._max_epoch is not None and opening.epoch <= self._max_epoch:
-                self.metrics.sessions.labels(outcome="stale").inc()
-                await self._reject(
-                    ws,
-                    wire.ErrorCode.STALE_EPOCH,
-                    f"epoch {opening.epoch} is not newer than accepted epoch {self._max_epoch}",
-                )
+            refusal = self.fence.accept(opening)
+            if refusal is not None:
+                stale = refusal.code is wire.ErrorCode.STALE_EPOCH
+                self.metrics.sessions.labels(outcome="stale" if stale else "protocol_error").inc()
+                await self._reject(ws, refusal)
                 return None
-            self._max_epoch = opening.epoch
             session = _Session(opening.epoch, opening.session_id, ws)
             previous, self._session = self._session, session
             if previous is not None:
                 await self._fence(previous, f"session epoch {opening.epoch} replaced this one")
-            executor = self.executor
-            assert executor is not None
+            backend = self.backend
+            assert backend is not None
             # On the worker thread, after any plan of the fenced session already running there.
-            await asyncio.get_running_loop().run_in_executor(self._worker, executor.reset)
+            await asyncio.get_running_loop().run_in_executor(self._worker, backend.reset)
             self.metrics.sessions.labels(outcome="accepted").inc()
             self.metrics.epoch.set(opening.epoch)
-            self._report_held(executor.counters)  # the reset dropped what was held
-            accepted = wire.SessionAccepted(epoch=opening.epoch, info=executor.info)
+            self._report_held(backend.counters)  # the reset dropped what was held
+            accepted = wire.SessionAccepted(epoch=opening.epoch, info=backend.info)
             await ws.send_str(accepted.model_dump_json())
             log.info("session %s accepted at epoch %d", opening.session_id, opening.epoch)
             return session
@@ -234,13 +263,15 @@ class ExecutorServer:
         self.metrics.host_blocks.set(counters.host_blocks_used)
 
     async def _fence(self, session: _Session, reason: str) -> None:
+        """Stop a replaced session's plans; its peer is told in the background (it may be dead,
+        and its close handshake must not delay the new session)."""
         session.fenced = True
         session.queue.put_nowait(None)
         if not session.ws.closed:
             error = wire.ProtocolError(code=wire.ErrorCode.STALE_EPOCH, message=reason)
-            with contextlib.suppress(ConnectionError):
-                await session.ws.send_str(error.model_dump_json())
-            await session.ws.close()
+            task = asyncio.create_task(self._reject(session.ws, error))
+            self._fencing.add(task)
+            task.add_done_callback(self._fencing.discard)
 
     # ---------------------------------------------------------------------------- plans
 
@@ -251,23 +282,21 @@ class ExecutorServer:
             if msg.type is not WSMsgType.TEXT:
                 if msg.type is WSMsgType.ERROR:
                     return
-                await self._reject(
-                    session.ws, wire.ErrorCode.PROTOCOL, "messages must be text JSON"
-                )
+                await self._reject(session.ws, _protocol_error("messages must be text JSON"))
                 return
             try:
                 message = _CLIENT_MESSAGE.validate_json(msg.data)
             except ValidationError as exc:
                 step_id = _step_id(msg.data)
                 if step_id is None:
-                    await self._reject(session.ws, wire.ErrorCode.PROTOCOL, _first_error(exc))
+                    await self._reject(session.ws, _protocol_error(_first_error(exc)))
                     return
                 # A plan we cannot parse still gets its answer, in order with the others.
                 error = wire.StepError(code=wire.ErrorCode.BAD_PLAN, message=_first_error(exc))
                 session.queue.put_nowait(wire.StepResult(step_id=step_id, error=error))
                 continue
             if isinstance(message, wire.SessionOpen):
-                await self._reject(session.ws, wire.ErrorCode.PROTOCOL, "session already open")
+                await self._reject(session.ws, _protocol_error("session already open"))
                 return
             session.queue.put_nowait(message)
 
@@ -280,16 +309,22 @@ class ExecutorServer:
                 result: wire.StepResult | None = item
                 self.metrics.observe(item, 0, 0)
             else:
+                if self._before_step is not None:
+                    await self._before_step()
+                began = time.perf_counter()
                 result = await loop.run_in_executor(self._worker, self._execute, session, item)
                 if result is not None:
                     self.metrics.observe(
                         result, len(item.prefill_rows), len(item.decode.request_ids)
                     )
-            if result is None or session.ws.closed:
+                remaining = self._min_step_time_s - (time.perf_counter() - began)
+                if remaining > 0:
+                    await asyncio.sleep(remaining)  # emulated compute time of a loaded executor
+            if result is None or session.ws.closed or session.fenced:
                 return
             try:
                 await session.ws.send_str(result.model_dump_json())
-            except ConnectionError:
+            except (ConnectionError, ClientError):
                 # The admission service vanished mid-step (killed: its socket is reset, not
                 # closed). Its successor opens a new epoch, which resets this executor.
                 log.info(
@@ -301,16 +336,13 @@ class ExecutorServer:
 
     def _execute(self, session: _Session, plan: wire.StepPlan) -> wire.StepResult | None:
         """On the worker thread: a fenced session's plans must not touch the new epoch's state."""
-        if session.fenced or self.executor is None:
+        if session.fenced or self.backend is None:
             return None
-        return self.executor.execute(plan)
+        return self.backend.execute(plan)
 
 
-def _parse(data: str) -> wire.SessionOpen | wire.StepPlan | None:
-    try:
-        return _CLIENT_MESSAGE.validate_json(data)
-    except ValidationError:
-        return None
+def _protocol_error(message: str) -> wire.ProtocolError:
+    return wire.ProtocolError(code=wire.ErrorCode.PROTOCOL, message=message)
 
 
 def _step_id(data: str) -> int | None:
@@ -328,3 +360,46 @@ def _first_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
     return f"invalid message at {where or 'top level'}: {first['msg']}"
+
+
+# ------------------------------------------------------------------------- the process
+
+
+TOKEN_ENV: Final = "KVGATE_EXECUTOR_TOKEN"
+
+
+def read_token(token_file: Path | None) -> str:
+    """The bearer token from ``token_file``, else ``$KVGATE_EXECUTOR_TOKEN``; never empty."""
+    if token_file is not None:
+        token = token_file.read_text().strip()
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"no bearer token: set ${TOKEN_ENV} or pass --token-file")
+    return token
+
+
+async def serve(server: StepServer, host: str, port: int) -> int:
+    """Serve until SIGINT/SIGTERM (exit 0) or until loading the backend fails (exit 1)."""
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("listening on %s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loading = asyncio.create_task(server.wait_loaded())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done() and loading.exception() is not None:
+            log.error("model load failed: %s", loading.exception())
+            return 1
+        await stopping
+        log.info("shutting down")
+        return 0
+    finally:
+        loading.cancel()
+        stopping.cancel()
+        await runner.cleanup()
