@@ -29,9 +29,9 @@ from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import RequestState, Snapshot
 from kvgate.gpu_executor.runner import StepRunner
 from kvgate.gpu_executor.step_span import kv_attributes, plan_attributes, result_attributes
-from kvgate.gpu_executor.validate import Geometry, PlanError, PlanValidator
 from kvgate.protocol import step as wire
 from kvgate.protocol.enums import AUTO_DTYPE, ExitPolicy
+from kvgate.protocol.plan_check import Geometry, PlanError, PlanValidator
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import context_from_traceparent, span_context_from_traceparent
 

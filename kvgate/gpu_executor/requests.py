@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry.trace import SpanContext
 
+from kvgate.protocol.plan_check import RequestView
 from kvgate.protocol.step import LoopParams, NewRequest, SamplingParams
 
 
@@ -105,6 +106,19 @@ class RequestState:
     def num_pages(self) -> int:
         return len(self.block_tables[0])
 
+    def plan_view(self) -> RequestView:
+        cursor = self.cursor
+        return RequestView(
+            fill_len=self.fill_len,
+            prompt_len=len(self.prompt),
+            frontier=tuple(self.frontier),
+            fill_start=self.fill_start,
+            wavefront={key: pending.token_end for key, pending in self.wavefront.items()},
+            cursor=None if cursor is None else (cursor.position, cursor.depth),
+            finished=self.finished,
+            tables=self.block_tables,
+        )
+
     def fill_token(self, position: int) -> int:
         prompt_len = len(self.prompt)
         return (
@@ -147,3 +161,6 @@ class Snapshot:
     @property
     def num_blocks(self) -> int:
         return self.state.num_loops * self.num_pages
+
+    def plan_view(self) -> RequestView:
+        return self.state.plan_view()

@@ -20,10 +20,11 @@ position) within ``[min_loops, max_loops]`` — never a function of scheduling.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
+from kvgate.protocol.plan_check import Geometry, PlanError, PlanValidator, RequestView
 from kvgate.protocol.step import (
     DecodeOutcomes,
-    ErrorCode,
     ExecutorCounters,
     ExecutorInfo,
     NewRequest,
@@ -34,6 +35,8 @@ from kvgate.protocol.step import (
 )
 from kvgate.sim.hashing import mix, text_hash
 from kvgate.sim.workload import ExitMode, ModelSection
+
+MAX_MODEL_LEN: Final = 1 << 30  # the simulated model has no position limit of its own
 
 
 class SimulationError(RuntimeError):
@@ -48,11 +51,30 @@ class _SimRequest:
     outputs: list[int]
     exit_depths: list[int]
     fill_length: int
+    frontier: list[int | None]  # per plane: fill positions [fill_start, frontier) are done
+    fill_start: int | None = None
+    wavefront: dict[tuple[int, int], int] = field(default_factory=dict)  # (start, depth) -> end
     cursor_position: int = 0
     cursor_token: int = 0
     depth_done: int = 0
     filled: bool = False
     finished: bool = False
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.tables[0])
+
+    def plan_view(self) -> RequestView:
+        return RequestView(
+            fill_len=self.fill_length,
+            prompt_len=len(self.new.prompt_token_ids),
+            frontier=tuple(self.frontier),
+            fill_start=self.fill_start,
+            wavefront=self.wavefront,
+            cursor=(self.cursor_position, self.depth_done + 1) if self.filled else None,
+            finished=self.finished,
+            tables=self.tables,
+        )
 
     def token_at(self, position: int) -> int:
         prompt = self.new.prompt_token_ids
@@ -64,6 +86,17 @@ class _Snapshot:
     request: _SimRequest
     pages: int
     values: list[list[list[int | None]]] = field(default_factory=list)  # [plane][page][slot]
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pages * len(self.values)
+
+    def plan_view(self) -> RequestView:
+        return self.request.plan_view()
 
 
 class SimExecutor:
@@ -87,6 +120,14 @@ class SimExecutor:
         self._requests: dict[str, _SimRequest] = {}
         self._snapshots: dict[str, _Snapshot] = {}
         self._host_used = 0
+        self._geometry = Geometry(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_loops=self.num_planes,
+            vocab_size=model.vocab_size,
+            max_model_len=MAX_MODEL_LEN,
+            host_snapshot_blocks=host_snapshot_blocks,
+        )
 
     @property
     def info(self) -> ExecutorInfo:
@@ -99,7 +140,7 @@ class SimExecutor:
             host_snapshot_blocks=self.host_snapshot_blocks,
             vocab_size=self.model.vocab_size,
             eos_token_id=self.model.eos_token_id,
-            max_model_len=1 << 30,
+            max_model_len=MAX_MODEL_LEN,
             kv_bytes_per_block=8 * self.block_size,
         )
 
@@ -178,99 +219,10 @@ class SimExecutor:
 
     # --- validation (before any state changes) -------------------------------------------------
     def _validate(self, plan: StepPlan) -> StepError | None:
-        known = set(self._requests)
-        snapshots = set(self._snapshots)
-        host = self._host_used
-        pages: dict[str, int] = {rid: len(r.tables[0]) for rid, r in self._requests.items()}
-        for rid in plan.free:
-            if rid not in known and rid not in snapshots:
-                return _err(ErrorCode.UNKNOWN_REQUEST, f"free of unknown request {rid}", rid)
-            known.discard(rid)
-            if rid in snapshots:
-                snapshots.discard(rid)
-                host -= self._snapshots[rid].pages * self.num_planes
-        for rid in plan.swap_out:
-            if rid not in known:
-                return _err(ErrorCode.UNKNOWN_REQUEST, f"swap-out of unknown request {rid}", rid)
-            known.discard(rid)
-            snapshots.add(rid)
-            host += pages.pop(rid) * self.num_planes
-        if host > self.host_snapshot_blocks:
-            return _err(
-                ErrorCode.HOST_BUDGET_EXCEEDED,
-                f"snapshots would use {host} host blocks of {self.host_snapshot_blocks}",
-            )
-        for new in plan.new_requests:
-            if new.request_id in known or new.request_id in snapshots:
-                return _err(
-                    ErrorCode.BAD_PLAN, f"request {new.request_id} already exists", new.request_id
-                )
-            known.add(new.request_id)
-            pages[new.request_id] = 0
-        for swap in plan.swap_in:
-            rid = swap.request_id
-            if rid not in snapshots:
-                return _err(ErrorCode.MISSING_SNAPSHOT, f"swap-in of {rid} without snapshot", rid)
-            expected = self._snapshots[rid].pages if rid in self._snapshots else None
-            problem = self._check_tables(swap.block_ids, expected)
-            if problem:
-                return _err(ErrorCode.BAD_PLAN, f"swap-in of {rid}: {problem}", rid)
-            snapshots.discard(rid)
-            known.add(rid)
-            pages[rid] = len(swap.block_ids[0])
-        for append in plan.block_appends:
-            rid = append.request_id
-            if rid not in known:
-                return _err(ErrorCode.UNKNOWN_REQUEST, f"block append for unknown {rid}", rid)
-            problem = self._check_tables(append.new_block_ids, None)
-            if problem:
-                return _err(ErrorCode.BAD_PLAN, f"block append for {rid}: {problem}", rid)
-            pages[rid] += len(append.new_block_ids[0])
-        for row in plan.prefill_rows:
-            rid = row.request_id
-            if rid not in known:
-                return _err(ErrorCode.UNKNOWN_REQUEST, f"prefill row for unknown {rid}", rid)
-            if row.depth_last > self.num_planes:
-                return _err(ErrorCode.BAD_PLAN, f"{rid}: depth {row.depth_last} > loops", rid)
-            if -(-row.token_end // self.block_size) > pages[rid]:
-                return _err(ErrorCode.BAD_PLAN, f"{rid}: rows reach past its block table", rid)
-        for rid, position, depth in zip(
-            plan.decode.request_ids, plan.decode.positions, plan.decode.depths, strict=True
-        ):
-            if rid not in known:
-                return _err(ErrorCode.UNKNOWN_REQUEST, f"decode row for unknown {rid}", rid)
-            request = self._requests.get(rid)
-            if request is None and rid in self._snapshots:
-                request = self._snapshots[rid].request
-            if request is None or request.finished:
-                continue
-            if not request.filled:
-                return _err(ErrorCode.BAD_PLAN, f"{rid}: decode row before its fill completed", rid)
-            if position is not None and position != request.cursor_position:
-                return _err(
-                    ErrorCode.BAD_PLAN,
-                    f"{rid}: decode expects position {position}, "
-                    f"cursor is at {request.cursor_position}",
-                    rid,
-                )
-            if depth is not None and depth != request.depth_done + 1:
-                return _err(
-                    ErrorCode.BAD_PLAN,
-                    f"{rid}: decode expects depth {depth}, next pass is {request.depth_done + 1}",
-                    rid,
-                )
-        return None
-
-    def _check_tables(self, block_ids: list[list[int]], expected_pages: int | None) -> str | None:
-        if len(block_ids) != self.num_planes:
-            return f"{len(block_ids)} planes, model has {self.num_planes}"
-        lengths = {len(plane) for plane in block_ids}
-        if len(lengths) != 1:
-            return "planes have different page counts"
-        if expected_pages is not None and lengths != {expected_pages}:
-            return f"{lengths.pop()} pages, snapshot has {expected_pages}"
-        if any(b >= self.num_blocks for plane in block_ids for b in plane):
-            return f"block id out of range (num_blocks {self.num_blocks})"
+        try:
+            PlanValidator(self._geometry, self._requests, self._snapshots).validate(plan)
+        except PlanError as exc:
+            return exc.error
         return None
 
     # --- actions ---------------------------------------------------------------------------------
@@ -284,6 +236,7 @@ class SimExecutor:
             outputs=outputs,
             exit_depths=list(new.exit_depths),
             fill_length=prompt_len + len(outputs) - 1 if outputs else prompt_len,
+            frontier=[None] * self.num_planes,
         )
 
     def _swap_out(self, request_id: str) -> None:
@@ -392,6 +345,7 @@ class SimExecutor:
     ) -> SampledToken | None:
         if end > request.fill_length:
             raise SimulationError(f"{request.new.request_id}: row past the fill [{start},{end})")
+        self._advance_fill(request, start, end, depth_first, depth_last)
         last_value = 0
         for depth in range(depth_first, depth_last + 1):
             for position in range(start, end):
@@ -414,6 +368,20 @@ class SimExecutor:
         request.cursor_position = end
         request.cursor_token = token.token_id
         return token
+
+    def _advance_fill(
+        self, request: _SimRequest, start: int, end: int, depth_first: int, depth_last: int
+    ) -> None:
+        """Record a row's progress the way the plan validator reads it (frontier, wavefront)."""
+        if request.fill_start is None:
+            request.fill_start = start
+            request.frontier = [start] * self.num_planes
+        for depth in range(depth_first, depth_last + 1):
+            request.frontier[depth - 1] = end
+        if depth_first > 1:
+            request.wavefront.pop((start, depth_first - 1), None)
+        if depth_last < self.num_planes:
+            request.wavefront[(start, depth_last)] = end
 
     def _exit_depth(self, request: _SimRequest, position: int) -> int:
         loops = request.new.loops
@@ -439,7 +407,3 @@ class SimExecutor:
         request.cursor_token = token.token_id
         request.depth_done = 0
         return position, depth, token
-
-
-def _err(code: ErrorCode, message: str, request_id: str | None = None) -> StepError:
-    return StepError(code=code, message=message, request_id=request_id)

@@ -27,8 +27,10 @@ from kvgate.admission_service.scheduler.events import AdmissionKind, FinishedEve
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import Scheduler
 from kvgate.admission_service.scheduler.strategy import Strategy
+from kvgate.protocol.capacity import blocks_for
 from kvgate.protocol.step import (
     ExecutorCounters,
+    ExecutorInfo,
     LoopParams,
     SamplingParams,
     StepPlan,
@@ -40,6 +42,9 @@ from kvgate.sim.workload import Workload
 
 class StepExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    @property
+    def info(self) -> ExecutorInfo: ...
 
     @property
     def counters(self) -> ExecutorCounters: ...
@@ -81,14 +86,21 @@ def arrivals(workload: Workload) -> list[Arrival]:
     return out
 
 
-def build_scheduler(workload: Workload, strategy: Strategy | None = None) -> Scheduler:
+def build_scheduler(
+    workload: Workload, strategy: Strategy | None = None, *, max_model_len: int | None = None
+) -> Scheduler:
+    """The workload's scheduler; ``max_model_len`` is the executor's (as the service sets it)."""
     cache = CacheConfig(
         num_blocks=workload.cache.num_blocks,
         block_size=workload.cache.block_size,
         host_snapshot_blocks=workload.cache.host_snapshot_blocks,
         enable_prefix_caching=workload.cache.enable_prefix_caching,
     )
-    model = ModelShape(num_loops=workload.model.loops, eos_token_id=workload.model.eos_token_id)
+    model = ModelShape(
+        num_loops=workload.model.loops,
+        eos_token_id=workload.model.eos_token_id,
+        max_model_len=max_model_len,
+    )
     return Scheduler(workload.scheduler, cache, model, strategy)
 
 
@@ -97,7 +109,7 @@ def unconstrained(workload: Workload) -> Workload:
     bs = workload.cache.block_size
     model = workload.model
     blocks = 1 + sum(
-        -(-(len(r.prompt_tokens(model)) + r.max_tokens - 1) // bs) * model.loops
+        blocks_for(len(r.prompt_tokens(model)), r.max_tokens, block_size=bs, num_planes=model.loops)
         for r in workload.requests
     )
     scheduler = workload.scheduler.model_copy(
@@ -144,8 +156,8 @@ def run_once(
     check: bool = True,
     audit: bool = True,
 ) -> RunResult:
-    scheduler = build_scheduler(workload, strategy)
     executor = executor or sim_executor(workload)
+    scheduler = build_scheduler(workload, strategy, max_model_len=executor.info.max_model_len)
     pending = deque(arrivals(workload))
     result = RunResult(outcomes={})
     results: deque[StepResult] = deque()

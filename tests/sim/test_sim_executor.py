@@ -118,13 +118,13 @@ def _start(executor: SimExecutor) -> None:
             StepPlan(
                 step_id=2, block_appends=[BlockAppend(request_id="a", new_block_ids=[[9], [4]])]
             ),
-            ErrorCode.BAD_PLAN,
-            "out of range",
+            ErrorCode.BLOCK_OUT_OF_RANGE,
+            ">= num_blocks",
         ),
         (
             StepPlan(step_id=2, swap_in=[SwapIn(request_id="a", block_ids=[[4, 5], [6, 7]])]),
             ErrorCode.MISSING_SNAPSHOT,
-            "without snapshot",
+            "no snapshot",
         ),
         (StepPlan(step_id=2, swap_out=["a"]), ErrorCode.HOST_BUDGET_EXCEEDED, "host blocks"),
         (
@@ -135,7 +135,7 @@ def _start(executor: SimExecutor) -> None:
         (
             StepPlan(step_id=2, new_requests=[NewRequest(request_id="a", prompt_token_ids=[1])]),
             ErrorCode.BAD_PLAN,
-            "already exists",
+            "already registered",
         ),
         (
             StepPlan(
@@ -147,7 +147,7 @@ def _start(executor: SimExecutor) -> None:
                 ],
             ),
             ErrorCode.BAD_PLAN,
-            "past its block table",
+            "complete",
         ),
     ],
 )

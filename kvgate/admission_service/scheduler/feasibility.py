@@ -7,6 +7,7 @@ from __future__ import annotations
 from kvgate.admission_service.scheduler.errors import RequestRejected
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.protocol.capacity import blocks_for, length_problem, positions_needed
 
 
 def check_feasible(state: SchedulerState, spec: RequestSpec) -> None:
@@ -14,15 +15,14 @@ def check_feasible(state: SchedulerState, spec: RequestSpec) -> None:
     rid = spec.request_id
     if not spec.prompt_token_ids:
         raise RequestRejected(rid, "the prompt is empty")
-    capacity = len(spec.prompt_token_ids) + spec.sampling.max_tokens - 1
-    max_len = state.model.max_model_len
-    if max_len is not None and capacity > max_len:
-        raise RequestRejected(
-            rid,
-            f"prompt ({len(spec.prompt_token_ids)} tokens) + max_tokens "
-            f"({spec.sampling.max_tokens}) - 1 = {capacity} exceeds max_model_len ({max_len})",
-        )
-    blocks = state.pool.pages_for(capacity) * state.num_planes
+    prompt_len, max_tokens = len(spec.prompt_token_ids), spec.sampling.max_tokens
+    problem = length_problem(prompt_len, max_tokens, state.model.max_model_len)
+    if problem is not None:
+        raise RequestRejected(rid, problem)
+    capacity = positions_needed(prompt_len, max_tokens)
+    blocks = blocks_for(
+        prompt_len, max_tokens, block_size=state.cache.block_size, num_planes=state.num_planes
+    )
     if blocks > state.cache.num_blocks:
         raise RequestRejected(
             rid,

@@ -19,6 +19,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
+from kvgate.protocol import capacity
+
 Page = tuple[int, ...]  # one block id per plane
 
 
@@ -65,7 +67,7 @@ class BlockPool:
         return len(self._cache)
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return capacity.pages_for(num_tokens, self.block_size)
 
     def num_pages(self, request_id: str) -> int:
         table = self._tables.get(request_id)

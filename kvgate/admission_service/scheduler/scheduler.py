@@ -36,6 +36,7 @@ from kvgate.admission_service.scheduler.policy import admission_key, priority_cl
 from kvgate.admission_service.scheduler.request import Request, RequestSpec, RequestStatus
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
+from kvgate.protocol.capacity import positions_needed
 from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.step import StepPlan, StepResult
 
@@ -108,7 +109,7 @@ class Scheduler:
             num_loops=num_loops,
             min_loops=min(loops.min_loops, num_loops),
             max_loops=min(loops.max_loops or num_loops, num_loops),
-            capacity_tokens=len(spec.prompt_token_ids) + spec.sampling.max_tokens - 1,
+            capacity_tokens=positions_needed(len(spec.prompt_token_ids), spec.sampling.max_tokens),
             max_tokens=spec.sampling.max_tokens,
             prompt_len=len(spec.prompt_token_ids),
             arrival_step=state.step,

@@ -3,13 +3,19 @@
 The shadow follows the executed order (free → swap_out → new_requests → swap_in → block_appends
 → rows) so that, e.g., a swap-in of a request swapped out in the same plan is judged correctly.
 A plan that passes cannot fail on a bad id, a missing page or a missing input while it runs.
+
+Every executor, real or simulated, validates with this one class: it sees a held request only
+through :class:`RequestView` (what the executor has done for it so far), so the rules cannot
+drift between executors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvgate.gpu_executor.requests import RequestState, Snapshot
+from kvgate.protocol.capacity import length_problem
 from kvgate.protocol.step import (
     DecodeRows,
     ErrorCode,
@@ -36,9 +42,50 @@ class Geometry:
     host_snapshot_blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What an executor has done for one held request, as far as validation needs to know.
+
+    ``frontier[d - 1]``: fill positions ``[fill_start, frontier[d - 1])`` are done at plane
+    ``d`` (None: no row yet); ``wavefront``: ``(token_start, depth) -> token_end`` of chunks
+    waiting for their next depth; ``cursor``: ``(position, depth)`` of the next decode pass, set
+    once the fill completed.
+    """
+
+    fill_len: int
+    prompt_len: int
+    frontier: tuple[int | None, ...]
+    fill_start: int | None
+    wavefront: Mapping[tuple[int, int], int]
+    cursor: tuple[int, int] | None
+    finished: bool
+    tables: list[list[int]]  # [plane][page] block ids; empty while swapped out
+
+
+class HeldRequest(Protocol):
+    """A resident request of an executor."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+    def plan_view(self) -> RequestView: ...
+
+
+class HeldSnapshot(Protocol):
+    """A swapped-out request of an executor: ``num_pages`` pages per plane on the host."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def plan_view(self) -> RequestView: ...
+
+
 @dataclass
 class _Shadow:
-    """What the plan will have done to one request, as far as validation needs to know."""
+    """What the plan will have done to one request."""
 
     fill_len: int
     prompt_len: int
@@ -64,18 +111,17 @@ class _Shadow:
         self._block_ids = ids
 
     @classmethod
-    def of(cls, state: RequestState, pages: int) -> _Shadow:
-        cursor = state.cursor
+    def of(cls, view: RequestView, pages: int) -> _Shadow:
         return cls(
-            fill_len=state.fill_len,
-            prompt_len=len(state.prompt),
+            fill_len=view.fill_len,
+            prompt_len=view.prompt_len,
             pages=pages,
-            frontier=list(state.frontier),
-            fill_start=state.fill_start,
-            wavefront={k: v.token_end for k, v in state.wavefront.items()},
-            cursor=None if cursor is None else (cursor.position, cursor.depth),
-            finished=state.finished,
-            tables=state.block_tables,
+            frontier=list(view.frontier),
+            fill_start=view.fill_start,
+            wavefront=dict(view.wavefront),
+            cursor=view.cursor,
+            finished=view.finished,
+            tables=view.tables,
         )
 
 
@@ -86,33 +132,34 @@ def _check_new_request(request: NewRequest, geo: Geometry) -> None:
         raise PlanError(
             ErrorCode.BAD_PLAN, f"token id {max(tokens)} >= vocab size {geo.vocab_size}", rid
         )
-    needed = len(request.prompt_token_ids) + request.sampling.max_tokens
-    if needed > geo.max_model_len:
-        raise PlanError(
-            ErrorCode.BAD_PLAN,
-            f"prompt + max_tokens = {needed} positions exceed max_model_len {geo.max_model_len}",
-            rid,
-        )
+    problem = length_problem(
+        len(request.prompt_token_ids), request.sampling.max_tokens, geo.max_model_len
+    )
+    if problem is not None:
+        raise PlanError(ErrorCode.BAD_PLAN, problem, rid)
     if any(d > geo.num_loops for d in request.exit_depths):
         raise PlanError(ErrorCode.BAD_PLAN, f"exit depth above num_loops {geo.num_loops}", rid)
 
 
 class PlanValidator:
     def __init__(
-        self, geo: Geometry, resident: dict[str, RequestState], snapshots: dict[str, Snapshot]
+        self,
+        geo: Geometry,
+        resident: Mapping[str, HeldRequest],
+        snapshots: Mapping[str, HeldSnapshot],
     ):
         self.geo = geo
         self.resident: dict[str, _Shadow] = {}
         self._states = resident
-        self.swapped: dict[str, Snapshot | None] = dict(snapshots)
+        self.swapped: dict[str, HeldSnapshot | None] = dict(snapshots)
         self.host_blocks = sum(s.num_blocks for s in snapshots.values())
         self._live = set(resident)
 
     def _shadow(self, rid: str) -> _Shadow:
         """The resident request's shadow, created on first use."""
         if rid not in self.resident:
-            state = self._states[rid]
-            self.resident[rid] = _Shadow.of(state, state.num_pages)
+            held = self._states[rid]
+            self.resident[rid] = _Shadow.of(held.plan_view(), held.num_pages)
         return self.resident[rid]
 
     def _is_resident(self, rid: str) -> bool:
@@ -210,8 +257,7 @@ class PlanValidator:
             raise PlanError(ErrorCode.MISSING_SNAPSHOT, f"swap-in of {rid}: no snapshot", rid)
         snapshot = self.swapped.pop(rid)
         if snapshot is not None:
-            pages = snapshot.num_pages
-            self.resident[rid] = _Shadow.of(snapshot.state, pages)
+            self.resident[rid] = _Shadow.of(snapshot.plan_view(), snapshot.num_pages)
         shadow = self.resident[rid]
         pages = shadow.pages
         if any(len(t) != pages for t in tables):
