@@ -10,8 +10,11 @@ executors (executor lost, drained or removed) keeps its place in admission order
 recompute from what it had generated (``Scheduler.evacuate`` / ``add_request(progress=...)``)
 and produces the same outputs.
 
-The engine never talks to Kafka: finished work goes to an :class:`OutcomeSink`, which owns
-delivery (see ``outbox.py``).
+The engine is the registry of requests read and not answered, and the placement policy over
+executor handles; each handle owns its scheduler, the requests placed on it and their KV
+reservation. What an answer contains and where it goes is :class:`~answers.Answers`' business
+(results, dead letters, token chunks to an :class:`~answers.OutcomeSink`, which owns delivery:
+see ``outbox.py``); aborts that overtake their request are kept by :class:`~aborts.AbortMemory`.
 """
 
 from __future__ import annotations
@@ -20,19 +23,19 @@ import asyncio
 import heapq
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from opentelemetry.trace import Span
 
+from kvgate.admission_service.aborts import AbortMemory
+from kvgate.admission_service.answers import Answers, OutcomeSink
 from kvgate.admission_service.executor_client import Connector, EpochClock
 from kvgate.admission_service.executor_handle import ExecutorHandle, SessionSettings
 from kvgate.admission_service.membership import Membership
 from kvgate.admission_service.metrics import ExecutorGauge, ServiceMetrics
 from kvgate.admission_service.scheduler.config import SchedulerConfig
-from kvgate.admission_service.scheduler.errors import RequestRejected
 from kvgate.admission_service.scheduler.events import (
     FinishedEvent,
     RequestEvent,
@@ -44,29 +47,14 @@ from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
 from kvgate.admission_service.tracking import (
     Tracked,
-    finished_result,
-    rejected_result,
-    unfinished_result,
 )
 from kvgate.admission_service.validation import Accepted, RawRecord, Rejection, build_spec
 from kvgate.protocol.admin import ExecutorSpec, ExecutorStatus
 from kvgate.protocol.enums import FinishReason
-from kvgate.protocol.records import InferenceResult, RejectCode, ResultStatus, SourceRef, TokenChunk
+from kvgate.protocol.records import RejectCode, ResultStatus, SourceRef
 from kvgate.protocol.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
-
-
-class OutcomeSink(Protocol):
-    """Where answers go. ``answer`` and ``reject`` make the source offset final."""
-
-    def answer(self, result: InferenceResult, traceparent: str | None) -> None: ...
-
-    def reject(
-        self, record: RawRecord, rejection: Rejection, result: InferenceResult | None
-    ) -> None: ...
-
-    def token(self, source: SourceRef, chunk: TokenChunk) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +94,13 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self._sink = sink
         self._tracer = tracer
         self.metrics = metrics
-        self._tokenizer = tokenizer
         self._clock = clock
+        self._answers = Answers(
+            sink, tracer=tracer, metrics=metrics, clock=clock, tokenizer=tokenizer
+        )
+        self._aborted = AbortMemory(settings.abort_memory_s, clock)
         self.members = Membership(
             connector=connector,
             epochs=epochs or EpochClock(),
@@ -122,7 +112,6 @@ class Engine:
         self._unplaced: list[tuple[int, str]] = []  # heap of (arrival_seq, request id)
         self._num_unplaced = 0
         self._next_seq = 0
-        self._aborted: OrderedDict[str, float] = OrderedDict()  # id -> forget after (clock)
         self._step_spans: dict[tuple[str, int], Span] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -169,9 +158,7 @@ class Engine:
         """Leave every executor; requests not finished are handed off (left unanswered)."""
         await self.members.close()
         for tracked in list(self._requests.values()):
-            tracked.handed_off = True
-            self._release(tracked)
-            self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
+            self._hand_off(tracked)
 
     # ------------------------------------------------------------------------- requests
     def submit(self, record: RawRecord, accepted: Accepted) -> None:
@@ -184,9 +171,7 @@ class Engine:
         rid = request.request_id
         if rid in self._requests:
             reason = "a request with this id is already in flight"
-            self._reject_record(
-                record, Rejection(RejectCode.DUPLICATE, reason, rid), record.traceparent
-            )
+            self._answers.rejected_record(record, Rejection(RejectCode.DUPLICATE, reason, rid))
             return
         span = self._tracer.start_request(request, source, record.traceparent)
         spec = build_spec(accepted, traceparent_of_span(span))
@@ -194,7 +179,7 @@ class Engine:
         tracked = Tracked(request, spec, source, self._next_seq, self._clock(), span, record)
         self._requests[rid] = tracked
         self._idle.clear()
-        if self._forget_abort(rid):
+        if self._aborted.take(rid):
             self._answer(
                 tracked, ResultStatus.ABORTED, "aborted before it was read", FinishReason.ABORT
             )
@@ -206,17 +191,10 @@ class Engine:
         self.metrics.aborts.inc()
         tracked = self._requests.get(request_id)
         if tracked is None:
-            self._remember_abort(request_id)
+            self._aborted.remember(request_id)
             return False
-        handle = self.handles.get(tracked.executor) if tracked.executor else None
-        if (
-            handle is not None
-            and handle.scheduler is not None
-            and handle.scheduler.abort(request_id)
-        ):
-            self.on_events(handle, handle.scheduler.pop_events())
-            handle.wake()
-        else:
+        handle = self._handle_of(tracked)
+        if handle is None or not handle.abort(request_id):
             self._answer(tracked, ResultStatus.ABORTED, "aborted while waiting", FinishReason.ABORT)
         return True
 
@@ -229,19 +207,14 @@ class Engine:
             if (t.source.topic, t.source.partition) == (topic, partition)
         ]
         for tracked in dropped:
-            tracked.handed_off = True
-            handle = self.handles.get(tracked.executor) if tracked.executor else None
-            if (
-                handle is not None
-                and handle.scheduler is not None
-                and handle.scheduler.abort(tracked.request_id)
-            ):
-                self.on_events(handle, handle.scheduler.pop_events())
-                handle.wake()
-            else:
-                self._release(tracked)
-                self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
+            tracked.handed_off = True  # its abort's FinishedEvent hands it off (on_events)
+            handle = self._handle_of(tracked)
+            if handle is None or not handle.abort(tracked.request_id):
+                self._hand_off(tracked)
         return len(dropped)
+
+    def _handle_of(self, tracked: Tracked) -> ExecutorHandle | None:
+        return self.handles.get(tracked.executor) if tracked.executor else None
 
     # ------------------------------------------------------------------------ placement
     def _place(self, tracked: Tracked) -> None:
@@ -260,34 +233,23 @@ class Engine:
             problems.append(problem)
         code, reason = problems[0]
         if tracked.progress is None and tracked.record is not None:
-            self._reject_tracked(tracked, code, reason)
+            self._release(tracked)
+            self._answers.rejected(tracked, code, reason)
         else:
             self._answer(
                 tracked, ResultStatus.FAILED, f"cannot resume after its executor left: {reason}"
             )
 
     def _try_place(self, tracked: Tracked, handle: ExecutorHandle) -> tuple[RejectCode, str] | None:
-        scheduler, info = handle.scheduler, handle.info
-        assert scheduler is not None and info is not None
-        prompt = tracked.spec.prompt_token_ids
-        if max(prompt) >= info.vocab_size:
-            return (
-                RejectCode.TOKEN_OUT_OF_VOCABULARY,
-                f"token id {max(prompt)} is outside the model's vocabulary ({info.vocab_size})",
-            )
-        try:
-            scheduler.add_request(
-                tracked.spec, arrival_seq=tracked.arrival_seq, progress=tracked.progress
-            )
-        except RequestRejected as exc:
-            return RejectCode.INFEASIBLE, f"{handle.name}: {exc.reason}"
+        problem = handle.place(
+            tracked.spec, arrival_seq=tracked.arrival_seq, progress=tracked.progress
+        )
+        if problem is not None:
+            return problem
         tracked.executor = handle.name
         tracked.executors.append(handle.name)
-        tracked.blocks = handle.blocks_for(len(prompt), tracked.request.max_tokens)
-        handle.reserved_blocks += tracked.blocks
         tracked.record = None
         tracked.progress = None
-        handle.wake()
         return None
 
     def _place_unplaced(self) -> None:
@@ -302,7 +264,6 @@ class Engine:
 
     # ------------------------------------------------------------------ pool observer
     def on_ready(self, handle: ExecutorHandle) -> None:
-        handle.reserved_blocks = 0
         self._place_unplaced()
         self.members.evacuate_drains()
 
@@ -322,18 +283,13 @@ class Engine:
                     and event.output_index >= tracked.tokens_out
                 ):
                     tracked.tokens_out = event.output_index + 1
-                    chunk = TokenChunk(
-                        request_id=event.request_id, index=event.output_index,
-                        token_id=event.token_id, exit_depth=event.exit_depth,
-                    )  # fmt: skip
-                    self._sink.token(tracked.source, chunk)
+                    self._answers.token(tracked, event)
             elif isinstance(event, FinishedEvent):
                 if tracked.handed_off:
-                    self._release(tracked)
-                    self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
+                    self._hand_off(tracked)
                     continue
-                result = finished_result(tracked, event, self._clock(), self._tokenizer)
-                self._deliver(tracked, result)
+                self._release(tracked)
+                self._answers.finished(tracked, event)
 
     def on_lifted(
         self, handle: ExecutorHandle, lifted: list[RequestProgress], failure: str | None
@@ -345,9 +301,7 @@ class Engine:
             tracked = self._requests.get(progress.spec.request_id)
             if tracked is None or tracked.executor != handle.name:
                 continue
-            handle.reserved_blocks -= tracked.blocks
             tracked.executor = None
-            tracked.blocks = 0
             tracked.progress = progress
             if failure is not None:
                 tracked.failures += 1
@@ -392,21 +346,15 @@ class Engine:
 
     # ------------------------------------------------------------------------- answers
     def _release(self, tracked: Tracked) -> None:
-        """Forget a request (answered or handed off)."""
+        """Forget a request (about to be answered, or handed off)."""
         self._requests.pop(tracked.request_id, None)
         if tracked.unplaced:
             tracked.unplaced = False  # its heap entry is skipped when popped
             self._num_unplaced -= 1
-        elif tracked.executor is not None and tracked.executor in self.handles:
-            self.handles[tracked.executor].reserved_blocks -= tracked.blocks
+        elif (handle := self._handle_of(tracked)) is not None:
+            handle.release(tracked.request_id)
         if not self._requests:
             self._idle.set()
-
-    def _deliver(self, tracked: Tracked, result: InferenceResult) -> None:
-        self._release(tracked)
-        self._sink.answer(result, tracked.traceparent)
-        self.metrics.results.labels(status=result.status.value).inc()
-        self._tracer.finish_request(tracked.span, tracked.request, result)
 
     def _answer(
         self,
@@ -415,48 +363,14 @@ class Engine:
         reason: str,
         finish: FinishReason | None = None,
     ) -> None:
-        result = unfinished_result(tracked, status, reason, self._clock(), finish_reason=finish)
-        self._deliver(tracked, result)
-
-    def _reject_tracked(self, tracked: Tracked, code: RejectCode, reason: str) -> None:
-        assert tracked.record is not None
-        record = tracked.record
-        result = unfinished_result(tracked, ResultStatus.REJECTED, reason, self._clock(), code=code)
         self._release(tracked)
-        self.metrics.rejections.labels(code=code.value).inc()
-        self.metrics.results.labels(status=result.status.value).inc()
-        self._sink.reject(record, Rejection(code, reason, tracked.request_id), result)
-        self._tracer.finish_request(tracked.span, tracked.request, result)
+        self._answers.unfinished(tracked, status, reason, finish)
 
-    def _reject_record(
-        self, record: RawRecord, rejection: Rejection, traceparent: str | None
-    ) -> None:
-        source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
-        result = None
-        if rejection.request_id is not None:
-            result = rejected_result(rejection.request_id, source, rejection.code, rejection.reason)
-            self.metrics.results.labels(status=result.status.value).inc()
-        self.metrics.rejections.labels(code=rejection.code.value).inc()
-        self._sink.reject(record, rejection, result)
-        self._tracer.rejected_record(
-            rejection.request_id, source, traceparent, result, rejection.reason
-        )
+    def _hand_off(self, tracked: Tracked) -> None:
+        tracked.handed_off = True
+        self._release(tracked)
+        self._answers.handed_off(tracked)
 
     def reject(self, record: RawRecord, rejection: Rejection) -> None:
         """A record that failed validation: dead letter, and a result when the id is known."""
-        self._reject_record(record, rejection, record.traceparent)
-
-    # --------------------------------------------------------------------------- aborts
-    def _remember_abort(self, request_id: str) -> None:
-        now = self._clock()
-        self._aborted[request_id] = now + self.settings.abort_memory_s
-        self._aborted.move_to_end(request_id)
-        while self._aborted:
-            oldest, expires = next(iter(self._aborted.items()))
-            if expires > now and len(self._aborted) <= 100_000:
-                break
-            del self._aborted[oldest]
-
-    def _forget_abort(self, request_id: str) -> bool:
-        expires = self._aborted.pop(request_id, None)
-        return expires is not None and expires > self._clock()
+        self._answers.rejected_record(record, rejection)

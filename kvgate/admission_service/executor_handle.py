@@ -16,8 +16,9 @@ with ``evacuate(executor_alive=True)``, so the next plan frees their state there
 that leaves (removed from the membership, or the service stops) or is lost does not wait for
 its plans in flight: its session closes and ``evacuate(executor_alive=False)`` lifts everything;
 the executor resets when a session opens again. Either way the requests resume elsewhere by
-recompute. The handle reports every event to its :class:`PoolObserver` (the engine); it never
-decides where requests go.
+recompute. The handle owns its scheduler: requests are placed on it (with their full-length KV
+reservation), aborted and lifted through the handle; it reports every event to its
+:class:`PoolObserver` (the engine) and never decides where requests go.
 """
 
 from __future__ import annotations
@@ -40,10 +41,17 @@ from kvgate.admission_service.executor_client import (
     StepSession,
 )
 from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
-from kvgate.admission_service.scheduler.errors import PlanRejected, SchedulerStalled
+from kvgate.admission_service.scheduler.errors import (
+    PlanRejected,
+    RequestRejected,
+    SchedulerStalled,
+)
 from kvgate.admission_service.scheduler.events import RequestEvent, StepReport
+from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import RequestProgress, Scheduler
+from kvgate.protocol import capacity
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
+from kvgate.protocol.records import RejectCode
 from kvgate.protocol.step import ExecutorCounters, ExecutorInfo, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -126,7 +134,8 @@ class ExecutorHandle:
         self.scheduler: Scheduler | None = None
         self.connected = False
         self.lost_reason: str | None = None
-        self.reserved_blocks = 0  # full-length KV need of the requests placed here
+        self._reserved: dict[str, int] = {}  # request id -> its full-length KV need here
+        self.reserved_blocks = 0  # their sum
         # What the executor reported holding after its last step (None: no session).
         self.reported: ExecutorCounters | None = None
         self.sessions = 0
@@ -158,10 +167,48 @@ class ExecutorHandle:
         """Cache blocks minus the full-length need of every request placed here."""
         return 0 if self.info is None else self.info.num_blocks - self.reserved_blocks
 
-    def blocks_for(self, prompt_tokens: int, max_tokens: int) -> int:
-        assert self.info is not None
-        capacity = prompt_tokens + max_tokens - 1
-        return -(-capacity // self.info.block_size) * self.info.num_loops
+    # -------------------------------------------------------------------------- requests
+    def place(
+        self, spec: RequestSpec, *, arrival_seq: int, progress: RequestProgress | None
+    ) -> tuple[RejectCode, str] | None:
+        """Queue a request on this executor's scheduler and reserve its full-length need; the
+        reason when it cannot run here. Only a ready handle takes work."""
+        scheduler, info = self.scheduler, self.info
+        assert scheduler is not None and info is not None
+        prompt = spec.prompt_token_ids
+        if max(prompt) >= info.vocab_size:
+            return (
+                RejectCode.TOKEN_OUT_OF_VOCABULARY,
+                f"token id {max(prompt)} is outside the model's vocabulary ({info.vocab_size})",
+            )
+        try:
+            scheduler.add_request(spec, arrival_seq=arrival_seq, progress=progress)
+        except RequestRejected as exc:
+            return RejectCode.INFEASIBLE, f"{self.name}: {exc.reason}"
+        blocks = capacity.blocks_for(
+            len(prompt),
+            spec.sampling.max_tokens,
+            block_size=info.block_size,
+            num_planes=info.num_loops,
+        )
+        self._reserved[spec.request_id] = blocks
+        self.reserved_blocks += blocks
+        self.wake()
+        return None
+
+    def release(self, request_id: str) -> None:
+        """The request left this executor (answered, handed off or moved): free its reservation."""
+        self.reserved_blocks -= self._reserved.pop(request_id, 0)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request queued or running here; its events reach the observer at once.
+        False when this executor does not hold it (it may still be unplaced)."""
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.abort(request_id):
+            return False
+        self._observer.on_events(self, scheduler.pop_events())
+        self.wake()
+        return True
 
     def status(self) -> ExecutorStatus:
         scheduler = self.scheduler
@@ -242,6 +289,8 @@ class ExecutorHandle:
         self.reported = ExecutorCounters()  # accepting the epoch reset the executor
         self.sessions += 1
         self._evacuate = False
+        self._reserved.clear()  # everything placed before was lifted when the last session ended
+        self.reserved_blocks = 0
         self._observer.on_ready(self)
         loop = asyncio.create_task(self._step_loop(session), name=f"kvgate-steps-{self.name}")
         stop = asyncio.create_task(self._stop.wait())
@@ -284,7 +333,7 @@ class ExecutorHandle:
         if scheduler is not None:
             lifted = scheduler.evacuate(executor_alive=False)
             self._observer.on_events(self, scheduler.pop_events())
-            self._observer.on_lifted(self, lifted, failure)
+            self._hand_back(lifted, failure)
 
     # ------------------------------------------------------------------------- step loop
     async def _step_loop(self, session: StepSession) -> None:
@@ -341,4 +390,9 @@ class ExecutorHandle:
         """Hand every request back to the engine; the next plan frees them on the executor."""
         lifted = scheduler.evacuate(executor_alive=True)
         if lifted:
-            self._observer.on_lifted(self, lifted, None)
+            self._hand_back(lifted, None)
+
+    def _hand_back(self, lifted: list[RequestProgress], failure: str | None) -> None:
+        for progress in lifted:
+            self.release(progress.spec.request_id)
+        self._observer.on_lifted(self, lifted, failure)

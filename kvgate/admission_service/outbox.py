@@ -26,7 +26,7 @@ at-least-once (``exactly_once`` off, e.g. on Tansu; one idempotence-free produce
                            duplicate answer is possible
     crash after commit     nothing runs again
 
-In both modes the commit point is the lowest offset still in flight (``delivery.py``); the
+In both modes the commit point is the lowest offset still in flight (``offsets.py``); the
 metadata records where in the results partition answers above it begin.
 
 A fenced producer (``ProducerFenced``) means this instance may no longer own the partition: a

@@ -15,7 +15,6 @@ from kvgate.admission_service.scheduler.scheduler import RequestProgress
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.validation import RawRecord
 from kvgate.protocol.enums import FinishReason
-from kvgate.protocol.enums import FinishReason as SchedulerFinish
 from kvgate.protocol.records import (
     InferenceRequest,
     InferenceResult,
@@ -28,10 +27,10 @@ from kvgate.protocol.records import (
 )
 
 _STATUS = {
-    SchedulerFinish.STOP: ResultStatus.COMPLETED,
-    SchedulerFinish.LENGTH: ResultStatus.COMPLETED,
-    SchedulerFinish.ABORT: ResultStatus.ABORTED,
-    SchedulerFinish.DEADLINE: ResultStatus.ABORTED,
+    FinishReason.STOP: ResultStatus.COMPLETED,
+    FinishReason.LENGTH: ResultStatus.COMPLETED,
+    FinishReason.ABORT: ResultStatus.ABORTED,
+    FinishReason.DEADLINE: ResultStatus.ABORTED,
 }
 
 
@@ -49,7 +48,6 @@ class Tracked:
     executor: str | None = None  # where it is queued or running now
     unplaced: bool = False  # waiting for an executor to be ready
     executors: list[str] = field(default_factory=list)
-    blocks: int = 0  # its full-length KV need on ``executor`` (placement headroom)
     progress: RequestProgress | None = None  # set while waiting to resume elsewhere
     admitted_at: float | None = None
     first_token_at: float | None = None

@@ -1,0 +1,112 @@
+"""Where every answer of the service is built and sent: results, dead letters, token chunks.
+
+The engine decides *that* a request is answered (and forgets it first); this module decides
+*what* goes out — the result record, its metrics and the end of its span — so each kind of
+answer is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from kvgate.admission_service.metrics import ServiceMetrics
+from kvgate.admission_service.scheduler.events import FinishedEvent, TokenEvent
+from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.tracing import ServiceTracer
+from kvgate.admission_service.tracking import (
+    Tracked,
+    finished_result,
+    rejected_result,
+    unfinished_result,
+)
+from kvgate.admission_service.validation import RawRecord, Rejection
+from kvgate.protocol.enums import FinishReason
+from kvgate.protocol.records import (
+    InferenceResult,
+    RejectCode,
+    ResultStatus,
+    SourceRef,
+    TokenChunk,
+)
+
+
+class OutcomeSink(Protocol):
+    """Where answers go. ``answer`` and ``reject`` make the source offset final."""
+
+    def answer(self, result: InferenceResult, traceparent: str | None) -> None: ...
+
+    def reject(
+        self, record: RawRecord, rejection: Rejection, result: InferenceResult | None
+    ) -> None: ...
+
+    def token(self, source: SourceRef, chunk: TokenChunk) -> None: ...
+
+
+class Answers:
+    def __init__(
+        self,
+        sink: OutcomeSink,
+        *,
+        tracer: ServiceTracer,
+        metrics: ServiceMetrics,
+        clock: Callable[[], float],
+        tokenizer: TextCodec | None = None,
+    ) -> None:
+        self._sink = sink
+        self._tracer = tracer
+        self._metrics = metrics
+        self._clock = clock
+        self._tokenizer = tokenizer
+
+    def finished(self, tracked: Tracked, event: FinishedEvent) -> None:
+        self._deliver(tracked, finished_result(tracked, event, self._clock(), self._tokenizer))
+
+    def unfinished(
+        self,
+        tracked: Tracked,
+        status: ResultStatus,
+        reason: str,
+        finish: FinishReason | None = None,
+    ) -> None:
+        result = unfinished_result(tracked, status, reason, self._clock(), finish_reason=finish)
+        self._deliver(tracked, result)
+
+    def rejected(self, tracked: Tracked, code: RejectCode, reason: str) -> None:
+        """A request that cannot run anywhere: a rejected result and a dead letter of its record."""
+        assert tracked.record is not None
+        result = unfinished_result(tracked, ResultStatus.REJECTED, reason, self._clock(), code=code)
+        self._metrics.rejections.labels(code=code.value).inc()
+        self._metrics.results.labels(status=result.status.value).inc()
+        self._sink.reject(tracked.record, Rejection(code, reason, tracked.request_id), result)
+        self._tracer.finish_request(tracked.span, tracked.request, result)
+
+    def rejected_record(self, record: RawRecord, rejection: Rejection) -> None:
+        """A record that never became a request: a dead letter, and a result when the id is
+        known."""
+        source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
+        result = None
+        if rejection.request_id is not None:
+            result = rejected_result(rejection.request_id, source, rejection.code, rejection.reason)
+            self._metrics.results.labels(status=result.status.value).inc()
+        self._metrics.rejections.labels(code=rejection.code.value).inc()
+        self._sink.reject(record, rejection, result)
+        self._tracer.rejected_record(
+            rejection.request_id, source, record.traceparent, result, rejection.reason
+        )
+
+    def token(self, tracked: Tracked, event: TokenEvent) -> None:
+        chunk = TokenChunk(
+            request_id=event.request_id, index=event.output_index,
+            token_id=event.token_id, exit_depth=event.exit_depth,
+        )  # fmt: skip
+        self._sink.token(tracked.source, chunk)
+
+    def handed_off(self, tracked: Tracked) -> None:
+        """No answer: another instance owns the request now (its span says so)."""
+        self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
+
+    def _deliver(self, tracked: Tracked, result: InferenceResult) -> None:
+        self._sink.answer(result, tracked.traceparent)
+        self._metrics.results.labels(status=result.status.value).inc()
+        self._tracer.finish_request(tracked.span, tracked.request, result)
