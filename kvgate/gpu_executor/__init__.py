@@ -1,1 +1,1 @@
-"""GPU executor: model weights, paged KV tensors and the step server."""
+"""The executor: model families, weights, paged KV tensors, the step runner and the sampler."""
