@@ -103,10 +103,14 @@ def main() -> int:
         return 0
     print(STEP_MODEL_NOTE)
     print()
-    header = "fin/total steps preempt recomputed bypasses"
+    header = "fin   steps  pre  rec byp"
     names = [s.name for s in strategies]
     print(f"{'case':<44}" + "".join(f" | {n[:26]:<26}" for n in names))
-    print(f"{'':<44}" + "".join(f" | {header[:26]:<26}" for _ in names))
+    print(f"{'':<44}" + "".join(f" | {header:<26}" for _ in names))
+    print(
+        "(finished/total, executor steps, preemptions, recomputed tokens, largest count of the "
+        "rule's own bypass counter)"
+    )
     for name, reports in rows:
         print(f"{name:<44}" + "".join(f" | {_cell(reports[n]):<26}" for n in names))
     print()
@@ -116,6 +120,11 @@ def main() -> int:
         post = [r["seed-post-fix"] for _, r in subset]
         drained = [(k, p) for k, p in zip(kv, post, strict=True) if p.finished == p.total]
         print(f"admission_pricing={pricing}:")
+        if pricing == "first_chunk":
+            print(
+                "  (the seed rules price the whole fill whatever the workload says, as vllm-rlt "
+                "does; the -first-chunk variants price the first chunk)"
+            )
         print(f"  kvgate drained {sum(k.passed for k in kv)}/{len(kv)} cases with zero violations")
         for rule in names[1:]:
             reports_of = [r[rule] for _, r in subset]
