@@ -16,6 +16,7 @@ import torch
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
 from kvgate.admission_service.sim.report import SimReport, build_report
 from kvgate.admission_service.sim.runner import RequestOutcome, RunResult, arrivals, run_once
+from kvgate.admission_service.sim.simulate import workload_for
 from kvgate.admission_service.sim.workload import ExitMode, Workload, WorkloadError
 from kvgate.gpu_executor.api import NewRequest
 from kvgate.gpu_executor.executor import Executor
@@ -88,15 +89,16 @@ def simulate_real(
     loaded = load_model(model_dir, device=device, dtype=DType.FLOAT32)
     workload = fit_to_model(workload, loaded)
     strategy = strategy or KvgateStrategy()
+    runs = workload_for(strategy, workload)
     with torch.inference_mode():
         executor = Executor(
             loaded,
-            num_blocks=workload.cache.num_blocks,
-            block_size=workload.cache.block_size,
-            host_snapshot_blocks=workload.cache.host_snapshot_blocks,
-            exit_policy=exit_policy(workload),
+            num_blocks=runs.cache.num_blocks,
+            block_size=runs.cache.block_size,
+            host_snapshot_blocks=runs.cache.host_snapshot_blocks,
+            exit_policy=exit_policy(runs),
             device=device,
         )
-        run = run_once(workload, strategy=strategy, executor=executor, check=check)
+        run = run_once(runs, strategy=strategy, executor=executor, check=check)
         reference = reference_run(workload, loaded)
     return build_report(strategy.name, run, reference)
