@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -138,6 +138,18 @@ class ServiceMetrics:
         self.bypasses = Counter(
             "kvgate_admission_bypasses", "admission bypass increments", registry=r
         )
+        # The promise and the margin: no request is bypassed more than the limit.
+        self.bypass_limit = Gauge(
+            "kvgate_admission_bypass_limit",
+            "configured max_admission_bypasses (set from the first step on)",
+            registry=r,
+        )
+        self.max_bypasses_seen = Gauge(
+            "kvgate_admission_max_bypasses_seen",
+            "largest bypass count of any request since the service started",
+            registry=r,
+        )
+        self._max_bypasses_seen = 0
         self.steps = Counter("kvgate_admission_steps", "steps applied", ["executor"], registry=r)
         self.executor_losses = Counter(
             "kvgate_admission_executor_losses", "sessions that broke", ["executor"], registry=r
@@ -161,5 +173,9 @@ class ServiceMetrics:
     def observe_step(self, report: StepReport) -> None:
         for preemption in report.preemptions:
             self.preemptions.labels(mode=preemption.mode.value).inc()
+        self.bypass_limit.set(report.bypass_limit)
         if report.bypassed:
             self.bypasses.inc(len(report.bypassed))
+        if report.max_bypasses > self._max_bypasses_seen:
+            self._max_bypasses_seen = report.max_bypasses
+            self.max_bypasses_seen.set(report.max_bypasses)

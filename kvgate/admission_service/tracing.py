@@ -113,6 +113,8 @@ class ServiceTracer:
                 attr.STEP_PREEMPTIONS: len(report.preemptions),
                 attr.STEP_RESTORE_MODES: preemption_modes,
                 attr.STEP_BYPASSES: len(report.bypassed),
+                attr.STEP_BYPASS_LIMIT: report.bypass_limit,
+                attr.STEP_MAX_BYPASSES: report.max_bypasses,
                 attr.STEP_WAITING: report.num_waiting,
                 attr.STEP_RUNNING: report.num_running,
                 attr.KV_BLOCKS_USED: report.blocks_used,

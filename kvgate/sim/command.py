@@ -6,8 +6,9 @@ model's unpaged one-request-at-a-time reference. This module is a composition ro
 admission service never imports torch, so the real executor is wired here and imported only when
 asked for.
 
-Exit codes: 0 when every non-rejected request finished, nothing leaked, no invariant broke and
-outputs match the reference; 1 otherwise; 2 for a bad workload file or bad arguments.
+Exit codes: 0 when every non-rejected request finished, nothing leaked, no invariant the
+strategy promises broke and outputs match the reference; 1 otherwise; 2 for a bad workload file
+or bad arguments.
 """
 
 from __future__ import annotations

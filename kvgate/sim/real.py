@@ -21,6 +21,7 @@ from kvgate.protocol.enums import DType, ExitPolicy
 from kvgate.protocol.step import NewRequest
 from kvgate.sim.report import SimReport, build_report
 from kvgate.sim.runner import RequestOutcome, RunResult, arrivals, run_once
+from kvgate.sim.simulate import workload_for
 from kvgate.sim.workload import ExitMode, Workload, WorkloadError
 
 
@@ -88,15 +89,16 @@ def simulate_real(
     loaded = load_model(model_dir, device=device, dtype=DType.FLOAT32)
     workload = fit_to_model(workload, loaded)
     strategy = strategy or KvgateStrategy()
+    runs = workload_for(strategy, workload)
     with torch.inference_mode():
         executor = Executor(
             loaded,
-            num_blocks=workload.cache.num_blocks,
-            block_size=workload.cache.block_size,
-            host_snapshot_blocks=workload.cache.host_snapshot_blocks,
-            exit_policy=exit_policy(workload),
+            num_blocks=runs.cache.num_blocks,
+            block_size=runs.cache.block_size,
+            host_snapshot_blocks=runs.cache.host_snapshot_blocks,
+            exit_policy=exit_policy(runs),
             device=device,
         )
-        run = run_once(workload, strategy=strategy, executor=executor, check=check)
+        run = run_once(runs, strategy=strategy, executor=executor, check=check)
         reference = reference_run(workload, loaded)
     return build_report(strategy.name, run, reference)

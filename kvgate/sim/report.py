@@ -31,11 +31,14 @@ class SimReport:
     restores: int
     restore_modes: dict[str, int]
     max_bypasses: int
+    max_counted_bypasses: int
+    max_audited_bypasses: int
     stalled: bool
     leaked_blocks: int
     leaked_snapshots: int
     leaked_executor_requests: int
     invariant_violations: int
+    kvgate_invariant_violations: int
     outputs_match_reference: bool
     recomputed_tokens: int
     queueing_steps_p50: float
@@ -44,6 +47,7 @@ class SimReport:
     unfinished_requests: list[str] = field(default_factory=list)
     rejections: dict[str, str] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
+    kvgate_violations: list[str] = field(default_factory=list)
     stall_dump: str | None = None
 
     @property
@@ -76,12 +80,16 @@ class SimReport:
             ("preemptions", self.preemptions),
             ("restores", f"{self.restores} {dict(sorted(self.restore_modes.items()))}"),
             ("recomputed tokens", self.recomputed_tokens),
-            ("max bypasses", self.max_bypasses),
+            (
+                "max bypasses (counted/audited)",
+                f"{self.max_counted_bypasses}/{self.max_audited_bypasses}",
+            ),
             (
                 "queueing steps p50/p99",
                 f"{self.queueing_steps_p50:.1f}/{self.queueing_steps_p99:.1f}",
             ),
             ("invariant violations", self.invariant_violations),
+            ("kvgate invariants it does not promise, broken", self.kvgate_invariant_violations),
             (
                 "leaks (blocks/snapshots/requests)",
                 f"{self.leaked_blocks}/{self.leaked_snapshots}/{self.leaked_executor_requests}",
@@ -102,6 +110,8 @@ class SimReport:
             lines.append("unfinished: " + ", ".join(self.unfinished_requests[:10]))
         for violation in self.violations[:10]:
             lines.append(f"violation: {violation}")
+        for violation in self.kvgate_violations[:10]:
+            lines.append(f"kvgate invariant (not judged): {violation}")
         return "\n".join(lines)
 
 
@@ -126,9 +136,8 @@ def build_report(strategy: str, run: RunResult, reference: RunResult | None) -> 
     modes: Counter[str] = Counter()
     for s in stats:
         modes.update(mode.value for mode in s.restore_modes)
-    max_bypasses = max(
-        [s.bypasses for s in stats] + [c for c in run.audited_bypasses.values()] + [0]
-    )
+    counted = max([s.bypasses for s in stats] + [run.max_counted_bypasses])
+    audited = max(run.audited_bypasses.values(), default=0)
     return SimReport(
         strategy=strategy,
         total=len(outcomes),
@@ -139,12 +148,15 @@ def build_report(strategy: str, run: RunResult, reference: RunResult | None) -> 
         preemptions=run.preemptions,
         restores=sum(run.restores.values()),
         restore_modes=dict(modes),
-        max_bypasses=max_bypasses,
+        max_bypasses=max(counted, audited),
+        max_counted_bypasses=counted,
+        max_audited_bypasses=audited,
         stalled=run.stalled is not None,
         leaked_blocks=run.leaked_blocks,
         leaked_snapshots=run.leaked_snapshots,
         leaked_executor_requests=run.leaked_executor_requests,
         invariant_violations=len(run.invariant_violations),
+        kvgate_invariant_violations=len(run.kvgate_violations),
         outputs_match_reference=not mismatched,
         recomputed_tokens=sum(s.recomputed_tokens for s in stats),
         queueing_steps_p50=_percentile(queueing, 50),
@@ -153,5 +165,6 @@ def build_report(strategy: str, run: RunResult, reference: RunResult | None) -> 
         unfinished_requests=unfinished,
         rejections=rejected,
         violations=run.invariant_violations[:20],
+        kvgate_violations=run.kvgate_violations[:20],
         stall_dump=run.stalled,
     )

@@ -28,6 +28,19 @@ def simulated_reference(workload: Workload) -> RunResult:
     return run_once(wide, executor=sim_executor(wide), check=False, audit=False)
 
 
+def workload_for(strategy: Strategy, workload: Workload) -> Workload:
+    """The workload as ``strategy`` runs it. A rule replayed for comparison may adjust the engine
+    settings its rules assume (``adapt_workload``: the seed's engine keeps every snapshot in
+    host memory with no bound); the reference run keeps the workload as written."""
+    adapt = getattr(strategy, "adapt_workload", None)
+    if adapt is None:
+        return workload
+    adapted = adapt(workload)
+    if not isinstance(adapted, Workload):
+        raise TypeError(f"{strategy.name}.adapt_workload must return a Workload")
+    return adapted
+
+
 def simulate(
     workload: Workload,
     *,
@@ -38,8 +51,9 @@ def simulate(
     audit: bool = True,
 ) -> SimReport:
     strategy = strategy or KvgateStrategy()
+    runs = workload_for(strategy, workload)
     run = run_once(
-        workload, strategy=strategy, executor=executor_factory(workload), check=check, audit=audit
+        runs, strategy=strategy, executor=executor_factory(runs), check=check, audit=audit
     )
     return build_report(strategy.name, run, reference(workload))
 

@@ -39,6 +39,10 @@ STEP_RECOMPUTES: Final = "kvgate.step.recomputes"  # new requests restoring by r
 STEP_PREEMPTIONS: Final = "kvgate.step.preemptions"
 STEP_RESTORE_MODES: Final = "kvgate.step.restore_modes"
 STEP_BYPASSES: Final = "kvgate.step.bypasses"
+# The bound and the margin: configured max_admission_bypasses, and the largest bypass count of a
+# request bypassed in the step.
+STEP_BYPASS_LIMIT: Final = "kvgate.step.bypass_limit"
+STEP_MAX_BYPASSES: Final = "kvgate.step.max_bypasses"
 
 # ------------------------------------------------------------------------ step: timing
 STEP_EXECUTE_S: Final = "kvgate.step.execute_s"

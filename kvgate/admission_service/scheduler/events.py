@@ -72,6 +72,10 @@ class StepReport:
     admitted: list[tuple[str, str]] = field(default_factory=list)  # (request id, AdmissionKind)
     preemptions: list[Preemption] = field(default_factory=list)
     bypassed: list[str] = field(default_factory=list)  # one entry per bypass increment
+    # The bound and the margin: configured max_admission_bypasses, and the largest bypass count
+    # of a request bypassed in this step (0 when none was).
+    bypass_limit: int = 0
+    max_bypasses: int = 0
     prefill_tokens: int = 0
     decode_rows: int = 0
     rows: int = 0

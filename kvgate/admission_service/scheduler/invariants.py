@@ -9,9 +9,14 @@
    requester of a strictly more important class.
 5. Feasibility: every queued request fits an empty cache.
 6. Progress: the no-progress counter is below ``stall_steps`` (``schedule`` raises at the bound).
+
+``violations`` reports them by name, so a run of another rule (benchmarks/baselines.py) can be
+judged by the invariants that rule promises and have kvgate's others reported beside it.
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
 
 from kvgate.admission_service.scheduler.errors import InvariantViolation
 from kvgate.admission_service.scheduler.events import StepReport
@@ -19,18 +24,41 @@ from kvgate.admission_service.scheduler.request import RequestStatus
 from kvgate.admission_service.scheduler.state import SchedulerState
 
 
+class Invariant(StrEnum):
+    CONSERVATION = "conservation"
+    BOUNDED_BYPASS = "bounded_bypass"
+    EFFECTIVE_PREEMPTION = "effective_preemption"
+    RESIDENCY = "residency"
+    FEASIBILITY = "feasibility"
+    PROGRESS = "progress"
+
+
+ALL_INVARIANTS = frozenset(Invariant)
+
+
+def violations(state: SchedulerState, report: StepReport) -> dict[Invariant, list[str]]:
+    """The broken invariants after the step ``report`` describes, each with its problems."""
+    found = {
+        Invariant.CONSERVATION: _conservation(state),
+        Invariant.BOUNDED_BYPASS: _bounded_bypass(state),
+        Invariant.EFFECTIVE_PREEMPTION: _effective_preemptions(state, report),
+        Invariant.RESIDENCY: _residency(state, report),
+        Invariant.FEASIBILITY: _feasibility(state),
+        Invariant.PROGRESS: _progress(state),
+    }
+    return {invariant: problems for invariant, problems in found.items() if problems}
+
+
 def check(state: SchedulerState, report: StepReport) -> None:
-    problems = [
-        *_conservation(state),
-        *_bounded_bypass(state),
-        *_effective_preemptions(state, report),
-        *_residency(state, report),
-        *_feasibility(state),
-    ]
-    if state.steps_without_progress >= state.config.stall_steps:
-        problems.append(f"no progress for {state.steps_without_progress} steps")
+    problems = [p for found in violations(state, report).values() for p in found]
     if problems:
         raise InvariantViolation(problems)
+
+
+def _progress(state: SchedulerState) -> list[str]:
+    if state.steps_without_progress >= state.config.stall_steps:
+        return [f"no progress for {state.steps_without_progress} steps"]
+    return []
 
 
 def _conservation(state: SchedulerState) -> list[str]:

@@ -53,6 +53,15 @@ class PlanBuilder:
             )
         )
 
+    def withdraw(self, request_id: str) -> None:
+        """Take back this step's start of ``request_id``: its new-request or swap-in action and
+        its page appends (a rule that may evict a request in the step it started needs this; the
+        executor swaps out before it admits, so the start and the eviction cannot both be sent).
+        """
+        self.new_requests = [n for n in self.new_requests if n.request_id != request_id]
+        self.swap_in = [s for s in self.swap_in if s.request_id != request_id]
+        self._appends.pop(request_id, None)
+
     def add_prefill(
         self,
         request_id: str,

@@ -204,6 +204,10 @@ class Scheduler:
     def check_invariants(self) -> None:
         invariants.check(self.state, self.last_report)
 
+    def invariant_violations(self) -> dict[invariants.Invariant, list[str]]:
+        """What ``check_invariants`` would raise, by invariant (empty when all hold)."""
+        return invariants.violations(self.state, self.last_report)
+
     # --- the step ----------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan | None:
         state = self.state
@@ -251,6 +255,11 @@ class Scheduler:
         report.num_waiting = len(state.waiting)
         report.num_running = len(state.running)
         report.progressed_request_ids = builder.selected | builder.started
+        report.bypass_limit = state.config.max_admission_bypasses
+        requests = state.requests
+        report.max_bypasses = max(
+            (requests[r].bypasses for r in report.bypassed if r in requests), default=0
+        )
         self.last_report = report
 
     def apply(self, result: StepResult) -> list[RequestEvent]:

@@ -3,6 +3,10 @@
 Production uses ``KvgateStrategy`` (the one admission loop, preflighted preemption). The seam
 exists so benchmarks can replay other rules — the seed's pre-fix and post-fix admission, a
 vLLM-style rule — against the same state, executor and invariant checks, and show the difference.
+
+Another rule is judged by what it promises itself: a strategy may name those invariants in a
+``promises`` attribute (``promises(strategy)`` reads it); kvgate's own strategy promises them all.
+The simulator judges a run by the promised ones and reports kvgate's others beside them.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvgate.admission_service.scheduler import admission, batch
+from kvgate.admission_service.scheduler.invariants import ALL_INVARIANTS, Invariant
 from kvgate.admission_service.scheduler.plan import PlanBuilder
 from kvgate.admission_service.scheduler.policy import EvictionReason
 from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
@@ -27,8 +32,17 @@ class Strategy(Protocol):
     ) -> bool: ...
 
 
+def promises(strategy: Strategy) -> frozenset[Invariant]:
+    """The invariants ``strategy``'s own rules promise (all of them unless it says otherwise)."""
+    promised = getattr(strategy, "promises", ALL_INVARIANTS)
+    if not isinstance(promised, frozenset):
+        raise TypeError(f"{strategy.name}.promises must be a frozenset of Invariant")
+    return frozenset(Invariant(p) for p in promised)
+
+
 class KvgateStrategy:
     name = "kvgate"
+    promises = ALL_INVARIANTS
 
     def plan_step(self, state: SchedulerState, builder: PlanBuilder) -> None:
         self.admit(state, builder)
