@@ -19,7 +19,7 @@ ENV UV_NO_CACHE=1 UV_PYTHON=/opt/kvgate/bin/python UV_COMPILE_BYTECODE=1
 # Dependencies first (a layer that changes only with pyproject.toml), then kvgate itself.
 COPY pyproject.toml /src/pyproject.toml
 RUN /opt/uv/bin/uv pip install -r /src/pyproject.toml --extra executor
-COPY README.md /src/README.md
+COPY README.md LICENSE /src/
 COPY kvgate /src/kvgate
 RUN /opt/uv/bin/uv pip install --no-deps /src
 

@@ -98,9 +98,9 @@ def test_the_build_context_holds_what_the_dockerfile_copies(name: str) -> None:
         for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    copies = [a.split()[0] for k, a in _instructions(name) if k == "COPY" and "--from" not in a]
+    copies = [a.split() for k, a in _instructions(name) if k == "COPY" and "--from" not in a]
     assert copies
-    for source in copies:
+    for source in (source for *sources, _ in copies for source in sources):
         assert (ROOT / source).exists(), source
         assert not _dockerignored(source, patterns), source
         if (ROOT / source).is_dir():
