@@ -13,10 +13,13 @@ PYTEST_ARGS ?=
 
 .PHONY: setup demo test pytest lint bench images helm clean kafka-image clean-test-cache
 
-$(STAMP): pyproject.toml
+# Everything the tests and the demo need, at the versions in uv.lock: --locked fails when
+# pyproject.toml changed without `uv lock`; --inexact keeps pip and uv, which are not in the lock.
+$(STAMP): pyproject.toml uv.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check uv==0.13.8
-	$(UV) pip install -q --python $(PY) -e '.[executor,dev]'
+	UV_PROJECT_ENVIRONMENT=$(VENV) $(UV) sync -q --locked --inexact \
+	  --extra operator --extra executor --extra demo --extra dev
 	touch $(STAMP)
 
 setup: $(STAMP)

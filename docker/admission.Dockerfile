@@ -1,5 +1,6 @@
 # kvgate admission service: `kvgate admission-service --config /etc/kvgate/admission.yaml`.
-# kvgate without torch (no extras). Build from the repository root:
+# kvgate with its base dependencies only: no torch, no demo broker, no plotting, no kopf.
+# Build from the repository root:
 #   docker build -f docker/admission.Dockerfile -t kvgate-admission:0.1.0 .
 # BASE_IMAGE: any image with Python >= 3.11, or a Debian/Ubuntu one to which python.sh adds it
 # (e.g. a root file system brought in with `docker import`).
@@ -13,11 +14,13 @@ RUN sh /usr/local/bin/kvgate-python.sh build
 RUN python3 -m venv /opt/uv \
  && /opt/uv/bin/python -m pip install --no-cache-dir --disable-pip-version-check "uv==${UV_VERSION}" \
  && python3 -m venv --without-pip /opt/kvgate
-ENV UV_NO_CACHE=1 UV_PYTHON=/opt/kvgate/bin/python UV_COMPILE_BYTECODE=1
-# Dependencies first (a layer that changes only with pyproject.toml), then kvgate itself.
-COPY pyproject.toml /src/pyproject.toml
-RUN /opt/uv/bin/uv pip install -r /src/pyproject.toml
-COPY README.md /src/README.md
+ENV UV_NO_CACHE=1 UV_PYTHON=/opt/kvgate/bin/python UV_PROJECT_ENVIRONMENT=/opt/kvgate \
+    UV_COMPILE_BYTECODE=1
+# Dependencies first, at the versions in uv.lock (a layer that changes only with the lock),
+# then kvgate itself.
+COPY pyproject.toml uv.lock /src/
+RUN /opt/uv/bin/uv sync --project /src --frozen --no-install-project
+COPY README.md LICENSE /src/
 COPY kvgate /src/kvgate
 RUN /opt/uv/bin/uv pip install --no-deps /src
 

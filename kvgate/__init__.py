@@ -6,6 +6,19 @@ One package per role (``docs/layout.md``): ``protocol`` (the shared wire contrac
 runner), ``kernels`` (Triton attention), ``sim`` (the simulated executor and ``kvgate sim``),
 ``local`` (embedded broker, demo, ``kvgate run``), ``client`` (``produce``/``results``),
 ``operator`` (kopf handlers for ExecutorPool) and ``telemetry`` (OpenTelemetry names and setup).
+
+``kvgate.__version__`` is the installed distribution's version: pyproject.toml is its one source.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+
+def __getattr__(name: str) -> str:
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+        try:
+            return version("kvgate")
+        except PackageNotFoundError:  # a source tree on sys.path that was never installed
+            return "0+unknown"
+    raise AttributeError(f"module 'kvgate' has no attribute {name!r}")

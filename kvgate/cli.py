@@ -2,7 +2,8 @@
 
 Subcommands live next to the code they run and are imported only when chosen, so ``kvgate sim``
 never imports torch and ``kvgate --help`` starts fast. A command module exposes
-``add_arguments(parser)`` and ``run(args) -> int`` (the process exit code).
+``add_arguments(parser)`` and ``run(args) -> int`` (the process exit code). A command whose extra
+is not installed (``kvgate demo`` without ``kvgate[demo]``) says which to install, in one line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 from typing import Protocol, cast
+
+import kvgate
+from kvgate.extras import MissingExtra, extra_for, require
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -39,6 +43,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kvgate.operator.cli", "run the ExecutorPool operator (kopf)"),
 }
 
+# command -> the extra (pyproject.toml) it cannot start without
+NEEDS_EXTRA: dict[str, str] = {
+    "executor": "executor",
+    "make-tiny-model": "executor",
+    "demo": "demo",
+    "run": "demo",
+    "operator": "operator",
+}
+
 
 class _CommandModule(Protocol):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
@@ -47,12 +60,21 @@ class _CommandModule(Protocol):
 
 
 def _load(name: str) -> _CommandModule:
+    if name in NEEDS_EXTRA:
+        require(NEEDS_EXTRA[name], f"kvgate {name}")
     module_name, _ = COMMANDS[name]
-    return cast(_CommandModule, importlib.import_module(module_name))
+    try:
+        return cast(_CommandModule, importlib.import_module(module_name))
+    except ModuleNotFoundError as exc:
+        missing = extra_for(exc, f"kvgate {name}")
+        if missing is None:
+            raise
+        raise missing from exc
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvgate {kvgate.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (_, help_text) in COMMANDS.items():
@@ -64,8 +86,19 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(args_list).parse_args(args_list)
-    return _load(args.command).run(args)
+    try:
+        args = build_parser(args_list).parse_args(args_list)
+        command = _load(args.command)
+        try:
+            return command.run(args)
+        except ModuleNotFoundError as exc:  # e.g. `kvgate sim --executor real` without torch
+            missing = extra_for(exc, f"kvgate {args.command}")
+            if missing is None:
+                raise
+            raise missing from exc
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

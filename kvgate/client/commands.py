@@ -6,19 +6,27 @@ the file as one record, keyed by its ``request_id`` when the line is a JSON obje
 with a W3C ``traceparent`` header when tracing is configured (``OTEL_*``); it does not validate
 — the service does, and dead-letters what it cannot use. ``results`` prints one JSON line per
 result (read_committed), optionally stopping after ``--count`` results or ``--timeout-s``.
+
+Both give up on a broker they cannot reach within ``--connect-timeout-s`` (default 10 s; each
+Kafka request within ``--request-timeout-s``, by default the settings' 30 s) and say so in one
+line, exit code 1; a malformed ``--bootstrap`` is exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import logging
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
@@ -27,21 +35,87 @@ from kvgate.admission_service.settings import KafkaSettings, SettingsError, load
 from kvgate.protocol.records import TRACEPARENT_HEADER
 from kvgate.telemetry.context import traceparent_of
 
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+
+
+class Unreachable(Exception):
+    """The broker could not be reached or stopped answering; the message says which and why."""
+
 
 def _connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", help="host:port[,host:port] (default 127.0.0.1:9092)")
     parser.add_argument("--config", type=Path, help="service settings file: its kafka section")
     parser.add_argument("--topic", help="topic (default: the settings' or kvgate's default)")
+    parser.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        help=f"give up reaching the broker after this long (default {DEFAULT_CONNECT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        help="each Kafka request's timeout, at least 1 (default: the settings', 30)",
+    )
 
 
 def _kafka(args: argparse.Namespace) -> KafkaSettings:
     overrides: dict[str, Any] = {}
     if args.bootstrap:
+        _check_bootstrap(args.bootstrap)
         overrides["bootstrap_servers"] = args.bootstrap
     elif args.config is None:
         overrides["bootstrap_servers"] = "127.0.0.1:9092"
+    if args.request_timeout_s is not None:
+        if args.request_timeout_s < 1:
+            raise SettingsError(
+                f"--request-timeout-s must be at least 1, got {args.request_timeout_s:g}"
+            )
+        overrides["request_timeout_ms"] = round(args.request_timeout_s * 1000)
+    if args.connect_timeout_s <= 0:
+        raise SettingsError(f"--connect-timeout-s must be positive, got {args.connect_timeout_s:g}")
     settings = load_settings(args.config, {"kafka": overrides} if overrides else None)
     return settings.kafka
+
+
+def _check_bootstrap(servers: str) -> None:
+    for server in servers.split(","):
+        host, _, port = server.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SettingsError(f"--bootstrap: {server!r} is not host:port")
+
+
+@contextlib.contextmanager
+def _quiet_connection_errors() -> Iterator[None]:
+    """While connecting, aiokafka logs every refused connection; the command reports the one
+    failure itself, so those lines are held back (later warnings still show)."""
+    logger = logging.getLogger("aiokafka")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+async def _start(
+    client: AIOKafkaProducer | AIOKafkaConsumer, kafka: KafkaSettings, timeout_s: float
+) -> None:
+    """Start a client within ``timeout_s``, or stop it and raise :class:`Unreachable`."""
+    where = f"Kafka at {kafka.bootstrap_servers}"
+    try:
+        with _quiet_connection_errors():
+            async with asyncio.timeout(timeout_s):
+                await client.start()
+    except TimeoutError:
+        await client.stop()
+        raise Unreachable(f"{where} did not answer within {timeout_s:g} s") from None
+    except KafkaConnectionError:
+        await client.stop()
+        raise Unreachable(f"cannot reach {where}: no bootstrap server answered") from None
+    except (KafkaError, OSError) as exc:
+        await client.stop()
+        raise Unreachable(f"cannot reach {where}: {exc}") from None
 
 
 def _key(line: bytes) -> bytes | None:
@@ -72,18 +146,24 @@ def run_produce(args: argparse.Namespace) -> int:
     from kvgate.admission_service.settings import TelemetrySettings  # noqa: PLC0415
 
     provider = configure_telemetry(TelemetrySettings(service_name="kvgate-produce"))
+    topic = args.topic or kafka.request_topic
     try:
-        count = asyncio.run(_produce(kafka, args.topic or kafka.request_topic, lines))
+        count = asyncio.run(_produce(kafka, topic, lines, args.connect_timeout_s))
+    except Unreachable as exc:
+        print(f"kvgate produce: {exc}", file=sys.stderr)
+        return 1
     finally:
         if provider is not None:
             provider.shutdown()
-    print(f"produced {count} records to {args.topic or kafka.request_topic}")
+    print(f"produced {count} records to {topic}")
     return 0
 
 
-async def _produce(kafka: KafkaSettings, topic: str, lines: list[bytes]) -> int:
+async def _produce(
+    kafka: KafkaSettings, topic: str, lines: list[bytes], connect_timeout_s: float
+) -> int:
     producer = AIOKafkaProducer(**client_options(kafka), acks="all", enable_idempotence=False)
-    await producer.start()
+    await _start(producer, kafka, connect_timeout_s)
     tracer = trace.get_tracer("kvgate.produce")
     try:
         futures = []
@@ -97,6 +177,10 @@ async def _produce(kafka: KafkaSettings, topic: str, lines: list[bytes]) -> int:
                 )
                 futures.append(await producer.send(topic, line, key=_key(line), headers=headers))
         await asyncio.gather(*futures)
+    except KafkaError as exc:  # a request timed out, or the broker refused the records
+        raise Unreachable(
+            f"producing to {topic} on {kafka.bootstrap_servers} failed: {exc}"
+        ) from None
     finally:
         await producer.stop()
     return len(lines)
@@ -121,6 +205,9 @@ def run_results(args: argparse.Namespace) -> int:
     topic = args.topic or kafka.result_topic
     try:
         return asyncio.run(_follow(kafka, topic, args))
+    except Unreachable as exc:
+        print(f"kvgate results: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
 
@@ -134,7 +221,7 @@ async def _follow(kafka: KafkaSettings, topic: str, args: argparse.Namespace) ->
         isolation_level="read_committed",
         auto_offset_reset="earliest" if args.from_beginning else "latest",
     )
-    await consumer.start()
+    await _start(consumer, kafka, args.connect_timeout_s)
     seen = 0
     deadline = None if args.timeout_s is None else time.monotonic() + args.timeout_s
     try:
@@ -149,6 +236,8 @@ async def _follow(kafka: KafkaSettings, topic: str, args: argparse.Namespace) ->
                     sys.stdout.write(message.value.decode("utf-8", errors="replace") + "\n")
                     seen += 1
             sys.stdout.flush()
+    except KafkaError as exc:
+        raise Unreachable(f"reading {topic} on {kafka.bootstrap_servers} failed: {exc}") from None
     finally:
         await consumer.stop()
     if args.count is not None and seen < args.count:

@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from kvgate.gpu_executor.kv_cache import DEFAULT_BLOCK_SIZE
+from kvgate.gpu_executor.config import DEFAULT_BLOCK_SIZE
 from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy
 from kvgate.step_server.server import TOKEN_ENV, StepServer, read_token, serve
 
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--device", help="torch device (default cuda when available, else cpu)")
     parser.add_argument(
         "--dtype", choices=[AUTO_DTYPE, *(d.value for d in DType)], default=AUTO_DTYPE
     )
@@ -51,10 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _cuda() -> bool:
-    import torch  # noqa: PLC0415 — keep `kvgate --help` free of torch
+def _default_device() -> str:
+    import torch  # noqa: PLC0415 — keep `kvgate executor --help` free of torch
 
-    return bool(torch.cuda.is_available())
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,9 +67,10 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         log.error("%s", exc)
         return 2
+    device = args.device or _default_device()
     memory_fraction = args.memory_fraction
     if args.num_blocks is None and memory_fraction is None:
-        if args.device == "cpu":
+        if device == "cpu":
             log.error("--num-blocks is required on CPU")
             return 2
         memory_fraction = 0.9
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             args.model,
             num_blocks=args.num_blocks,
             memory_fraction=memory_fraction,
-            device=args.device,
+            device=device,
             dtype=AUTO_DTYPE if args.dtype == AUTO_DTYPE else DType(args.dtype),
             host_snapshot_blocks=args.host_snapshot_blocks,
             executor_id=args.executor_id,

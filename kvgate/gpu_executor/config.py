@@ -25,6 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvgate.protocol.enums import ModelFamily
 
+# Tokens per KV block unless the command line says otherwise (the cache's tensors are shaped by
+# it; it sits here, with no torch, so `kvgate executor --help` shows it without importing torch).
+DEFAULT_BLOCK_SIZE = 16
+
 
 class CheckpointError(ValueError):
     """A model directory that cannot be served, with the reason in the message."""

@@ -19,11 +19,8 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 
 from kvgate import kernels
 from kvgate.gpu_executor.calibration import measure_costs, profile_forward
-from kvgate.gpu_executor.kv_cache import (
-    DEFAULT_BLOCK_SIZE,
-    KVCache,
-    blocks_for_memory_fraction,
-)
+from kvgate.gpu_executor.config import DEFAULT_BLOCK_SIZE
+from kvgate.gpu_executor.kv_cache import KVCache, blocks_for_memory_fraction
 from kvgate.gpu_executor.loader import DTypeChoice, LoadedModel, load_model
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import RequestState, Snapshot

@@ -16,8 +16,6 @@ import torch
 
 from kvgate.gpu_executor.config import ModelConfig
 
-DEFAULT_BLOCK_SIZE = 16
-
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of one block across every layer."""

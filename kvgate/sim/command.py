@@ -44,9 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device for --executor real")
 
 
+def _importable_from_here() -> None:
+    """Make the current directory importable for ``--admission MODULE:NAME``, as ``python -m``
+    does (``benchmarks.baselines`` from the repository root), but after the installed packages,
+    so nothing installed is shadowed; not under ``python -P`` / ``PYTHONSAFEPATH``."""
+    here = str(Path.cwd())
+    if not sys.flags.safe_path and here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         workload = load_workload(args.workload)
+        if args.admission:
+            _importable_from_here()
         strategy = load_strategy(args.admission) if args.admission else None
         if args.executor == "real" and args.model is None:
             raise ValueError("--executor real needs --model DIR")

@@ -72,7 +72,15 @@ def load_strategy(target: str) -> Strategy:
         sys.modules[path.stem] = module
         spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not f"{module_name}.".startswith(f"{exc.name}."):
+                raise  # the strategy's module exists; something it imports does not
+            raise ValueError(
+                f"--admission {target}: no module named {exc.name!r} "
+                f"(looked in the installed packages and {Path.cwd()})"
+            ) from None
     try:
         obj = getattr(module, attr)
     except AttributeError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,62 @@ def test_produce_reports_a_missing_file(tmp_path: Path) -> None:
     done = kvgate("produce", str(tmp_path / "absent.jsonl"), "--bootstrap", "127.0.0.1:1")
     assert done.returncode == 2
     assert "No such file" in done.stderr
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])  # closed again: connecting is refused
+
+
+@pytest.mark.parametrize("command", ["produce", "results"])
+def test_an_unreachable_broker_is_one_line_and_exit_1(tmp_path: Path, command: str) -> None:
+    lines = tmp_path / "requests.jsonl"
+    lines.write_text(json.dumps({"request_id": "p1", "prompt": [1, 2]}) + "\n")
+    bootstrap = f"127.0.0.1:{_closed_port()}"
+    args = [str(lines)] if command == "produce" else []
+    done = kvgate(command, *args, "--bootstrap", bootstrap)
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"kvgate {command}: cannot reach Kafka at {bootstrap}: no bootstrap server answered\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["produce", "results"])
+def test_a_broker_that_never_answers_times_out_at_the_connect_timeout(
+    tmp_path: Path, command: str
+) -> None:
+    lines = tmp_path / "requests.jsonl"
+    lines.write_text(json.dumps({"request_id": "p1", "prompt": [1, 2]}) + "\n")
+    args = [str(lines)] if command == "produce" else []
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+        # The request timeout outlasts the process's deadline, so only the connect timeout ends it.
+        done = kvgate(
+            command, *args, "--bootstrap", bootstrap,
+            "--connect-timeout-s", "1", "--request-timeout-s", "600", timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr == f"kvgate {command}: Kafka at {bootstrap} did not answer within 1 s\n"
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (("--bootstrap", "127.0.0.1:kafka"), "--bootstrap: '127.0.0.1:kafka' is not host:port"),
+        (("--bootstrap", "127.0.0.1"), "--bootstrap: '127.0.0.1' is not host:port"),
+        (("--bootstrap", "127.0.0.1:1", "--request-timeout-s", "0.5"), "at least 1, got 0.5"),
+        (("--bootstrap", "127.0.0.1:1", "--connect-timeout-s", "0"), "must be positive, got 0"),
+    ],
+)
+def test_bad_connection_options_are_one_line_and_exit_2(
+    option: tuple[str, ...], message: str
+) -> None:
+    done = kvgate("results", *option)
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1 and message in done.stderr, done.stderr
 
 
 def test_admission_service_refuses_missing_topics_when_it_may_not_create_them(

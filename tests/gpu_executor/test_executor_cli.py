@@ -110,3 +110,24 @@ def test_serves_plans_and_stops_on_sigterm(llama_dir: Path, tmp_path: Path) -> N
             process.kill()
         output = process.communicate(timeout=30)[0]
     assert "listening on 127.0.0.1" in output
+
+
+def test_help_does_not_import_torch() -> None:
+    probe = (
+        "import sys\n"
+        "from kvgate.cli import main\n"
+        "try:\n"
+        "    main(['executor', '--help'])\n"
+        "except SystemExit as exit_:\n"
+        "    code = exit_.code\n"
+        "heavy = ('torch', 'triton', 'numpy', 'safetensors')\n"
+        "heavy = sorted(m for m in heavy if m in sys.modules)\n"
+        "print('imported:', heavy, 'exit:', code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=_env(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--model" in done.stdout and "--block-size" in done.stdout
+    assert done.stdout.splitlines()[-1] == "imported: [] exit: 0"

