@@ -115,6 +115,7 @@ class Intake:
         self._fetching = True
         self._stopped = asyncio.Event()
         self._positions: dict[int, int] = {}  # partition -> next offset to read
+        self._first_read: dict[int, int] = {}  # partition -> first offset read since assignment
 
     def subscribe(self) -> None:
         self.consumer.subscribe([self.settings.kafka.request_topic], listener=_Rebalance(self))
@@ -178,6 +179,7 @@ class Intake:
         self.outbox.track(
             tp.partition, PartitionLedger(committed=committed, answered=answered, results_end=end)
         )
+        self._first_read.pop(tp.partition, None)
         if committed is not None:
             self.consumer.seek(tp, committed)
         log.info(
@@ -208,6 +210,7 @@ class Intake:
         self.metrics.received.inc(len(messages))
         if messages:
             self._positions[partition] = messages[-1].offset + 1
+            self._first_read.setdefault(partition, messages[0].offset)
         for message in messages:
             record = raw_record(message)
             if outbox.read(partition, record.offset):
@@ -237,13 +240,18 @@ class Intake:
         await self._stopped.wait()
 
     def lag(self) -> dict[int, int]:
-        """Records behind the end of each assigned partition (as of the last fetch)."""
+        """Records of each assigned partition not yet committed: from the committed offset
+        (before the first commit, the first offset read) to the end as of the last fetch. Work
+        read but not durably answered counts, so a partition whose commits fail shows."""
         lags = {}
         for tp in self.consumer.assignment():
             end = self.consumer.highwater(tp)
-            position = self._positions.get(tp.partition)
-            if end is not None and position is not None:
-                lags[tp.partition] = max(0, end - position)
+            ledger = self.outbox.ledgers.get(tp.partition)
+            committed = None if ledger is None else ledger.committed
+            if committed is None:
+                committed = self._first_read.get(tp.partition, self._positions.get(tp.partition))
+            if end is not None and committed is not None:
+                lags[tp.partition] = max(0, end - committed)
         return lags
 
 

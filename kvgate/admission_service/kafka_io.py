@@ -12,10 +12,12 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import ConsumerRecord
@@ -76,12 +78,49 @@ async def _partition_counts(admin: AIOKafkaAdminClient, topics: list[str]) -> di
     return counts
 
 
-async def ensure_topics(settings: KafkaSettings) -> int:
-    """Create missing topics (when allowed) and check co-partitioning; returns the number of
-    request partitions.
+MAX_MESSAGE_BYTES: Final = "max.message.bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class TopicLimits:
+    """What the topics were found to be at start-up: request partitions, and the largest
+    record batch (``max.message.bytes``) the request and dead-letter topics accept (None when
+    the broker does not say: then only the producer's own limit is known)."""
+
+    request_partitions: int
+    request_max_bytes: int | None
+    dlq_max_bytes: int | None
+
+
+async def _max_message_bytes(admin: AIOKafkaAdminClient, topics: list[str]) -> dict[str, int]:
+    """``max.message.bytes`` of each topic, as far as the broker describes them."""
+    resources = [
+        ConfigResource(ConfigResourceType.TOPIC, t, {MAX_MESSAGE_BYTES: None}) for t in topics
+    ]
+    try:
+        responses = await admin.describe_configs(resources)
+    except (KafkaError, ValueError, IndexError, TypeError) as exc:
+        log.warning("the broker does not describe topic configs (%r)", exc)
+        return {}
+    found: dict[str, int] = {}
+    for response in responses:
+        for error_code, _message, _kind, name, entries in (r[:5] for r in response.resources):
+            if error_code != 0:
+                continue
+            for entry in entries:
+                if entry[0] == MAX_MESSAGE_BYTES and str(entry[1]).isdigit():
+                    found[name] = int(entry[1])
+    return found
+
+
+async def ensure_topics(settings: KafkaSettings) -> TopicLimits:
+    """Create missing topics (when allowed), check co-partitioning, and read the record size
+    limits of the request and dead-letter topics.
 
     Results (and tokens) must have at least as many partitions as requests: the result of a
-    request read from partition ``p`` is written to partition ``p``.
+    request read from partition ``p`` is written to partition ``p``. A dead-letter topic
+    created here accepts records as large as the request topic does, so that an oversized
+    request's dead letter keeps its original bytes whenever the producer can send them.
     """
     admin = AIOKafkaAdminClient(**client_options(settings))
     await admin.start()
@@ -95,11 +134,20 @@ async def ensure_topics(settings: KafkaSettings) -> int:
         if missing and not settings.create_topics:
             raise KafkaSetupError(f"topics {missing} do not exist and kafka.create_topics is false")
         requests = counts.get(settings.request_topic, settings.partitions)
+        if settings.request_topic in missing:
+            await _create(admin, settings, [settings.request_topic], requests, {})
+            counts = await _wait_for_topics(admin, [settings.request_topic])
+            missing.remove(settings.request_topic)
+        request_limit = (await _max_message_bytes(admin, [settings.request_topic])).get(
+            settings.request_topic
+        )
         if missing:
-            new = [NewTopic(topic, requests, settings.replication_factor) for topic in missing]
-            with contextlib.suppress(TopicAlreadyExistsError):  # another instance was first
-                await admin.create_topics(new)
-            log.info("created topics %s with %d partitions", missing, requests)
+            dlq_config = {} if request_limit is None else {MAX_MESSAGE_BYTES: str(request_limit)}
+            others = [t for t in missing if t != settings.dlq_topic]
+            if settings.dlq_topic in missing:
+                await _create(admin, settings, [settings.dlq_topic], requests, dlq_config)
+            if others:
+                await _create(admin, settings, others, requests, {})
             counts = await _wait_for_topics(admin, wanted)
         requests = counts[settings.request_topic]
         for topic in (settings.result_topic, settings.token_topic):
@@ -109,9 +157,45 @@ async def ensure_topics(settings: KafkaSettings) -> int:
                     f"has {requests}: results are written to the request's partition, so it "
                     "needs at least as many"
                 )
-        return requests
+        dlq_limit = (await _max_message_bytes(admin, [settings.dlq_topic])).get(settings.dlq_topic)
+        if request_limit is not None and dlq_limit is not None and dlq_limit < request_limit:
+            log.warning(
+                "%s accepts records of up to %d bytes but %s only %d: larger dead letters are "
+                "truncated (their size, hash and source offset are kept)",
+                settings.request_topic,
+                request_limit,
+                settings.dlq_topic,
+                dlq_limit,
+            )
+        return TopicLimits(requests, request_limit, dlq_limit)
     finally:
         await admin.close()
+
+
+async def _create(
+    admin: AIOKafkaAdminClient,
+    settings: KafkaSettings,
+    topics: list[str],
+    partitions: int,
+    config: dict[str, str],
+) -> None:
+    new = [
+        NewTopic(topic, partitions, settings.replication_factor, topic_configs=config)
+        for topic in topics
+    ]
+    try:
+        with contextlib.suppress(TopicAlreadyExistsError):  # another instance was first
+            await admin.create_topics(new)
+    except KafkaError as exc:
+        if not config:
+            raise
+        # A broker that refuses topic configs (Tansu): the broker's default then.
+        log.warning("creating %s with %s failed (%r); using broker defaults", topics, config, exc)
+        with contextlib.suppress(TopicAlreadyExistsError):
+            await admin.create_topics(
+                [NewTopic(t, partitions, settings.replication_factor) for t in topics]
+            )
+    log.info("created topics %s with %d partitions %s", topics, partitions, config or "")
 
 
 async def _wait_for_topics(

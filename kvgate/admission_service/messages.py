@@ -182,11 +182,21 @@ DLQ_TOPIC_HEADER: Final = "kvgate-dlq-topic"
 DLQ_PARTITION_HEADER: Final = "kvgate-dlq-partition"
 DLQ_OFFSET_HEADER: Final = "kvgate-dlq-offset"
 DLQ_TIMESTAMP_HEADER: Final = "kvgate-dlq-timestamp-ms"
+# Only on a dead letter whose original did not fit the dead-letter topic: its value is then a
+# prefix of the original, and these describe the whole original value.
+DLQ_TRUNCATED_HEADER: Final = "kvgate-dlq-truncated"
+DLQ_ORIGINAL_BYTES_HEADER: Final = "kvgate-dlq-original-bytes"
+DLQ_SHA256_HEADER: Final = "kvgate-dlq-sha256"
 TRACEPARENT_HEADER: Final = "traceparent"
 
 
 class DeadLetter(_Message):
-    """What a dead-letter record says about itself (its headers, parsed)."""
+    """What a dead-letter record says about itself (its headers, parsed).
+
+    ``truncated``: the record carries only a prefix of the original value (and no original key
+    or headers when those were too large too); ``original_bytes`` and ``sha256`` describe the
+    whole original value, and topic/partition/offset say where to read it.
+    """
 
     code: RejectCode
     reason: str
@@ -194,6 +204,9 @@ class DeadLetter(_Message):
     partition: NonNegativeInt
     offset: NonNegativeInt
     timestamp_ms: int | None = None
+    truncated: bool = False
+    original_bytes: NonNegativeInt | None = None
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
 
     def headers(self) -> list[tuple[str, bytes]]:
         headers = [
@@ -205,6 +218,12 @@ class DeadLetter(_Message):
         ]
         if self.timestamp_ms is not None:
             headers.append((DLQ_TIMESTAMP_HEADER, str(self.timestamp_ms).encode()))
+        if self.truncated:
+            headers.append((DLQ_TRUNCATED_HEADER, b"true"))
+        if self.original_bytes is not None:
+            headers.append((DLQ_ORIGINAL_BYTES_HEADER, str(self.original_bytes).encode()))
+        if self.sha256 is not None:
+            headers.append((DLQ_SHA256_HEADER, self.sha256.encode()))
         return headers
 
     @classmethod
@@ -219,4 +238,11 @@ class DeadLetter(_Message):
             timestamp_ms=(
                 int(found[DLQ_TIMESTAMP_HEADER]) if DLQ_TIMESTAMP_HEADER in found else None
             ),
+            truncated=found.get(DLQ_TRUNCATED_HEADER) == "true",
+            original_bytes=(
+                int(found[DLQ_ORIGINAL_BYTES_HEADER])
+                if DLQ_ORIGINAL_BYTES_HEADER in found
+                else None
+            ),
+            sha256=found.get(DLQ_SHA256_HEADER),
         )

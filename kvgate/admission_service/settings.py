@@ -119,6 +119,9 @@ class KafkaSettings(_Section):
     request_timeout_ms: Annotated[int, Field(ge=1000)] = 30000
     # How often finished work is committed (results + consumed offsets, one transaction).
     commit_interval_ms: Annotated[int, Field(ge=1, le=60000)] = 100
+    # Commit cycles of a partition that keep failing this long fail readiness (/readyz names
+    # the partition, its unwritten answers and the error) until one succeeds again.
+    commit_stall_timeout_s: PositiveSeconds = 30.0
     # Reading the results partition on assignment (to skip requests already answered) gives up
     # after this long; the partition is then consumed without a skip set (duplicates possible).
     skip_scan_timeout_s: PositiveSeconds = 60.0

@@ -1,0 +1,192 @@
+"""Records no single one of which may stop a partition, at the production default limits, on the
+embedded broker with in-process simulated executors.
+
+Regression: a request record larger than the service's own producer limit (4 MiB at the default
+``max_message_bytes`` of 1 MiB) was dead-lettered with its original bytes; the producer refused
+it, the commit cycle failed and retried every ~55 ms, each retry sending again every answer
+queued behind it (681 copies of the next record's dead letter in 15 s), and nothing on the
+partition was ever committed — a restarted successor blocked on the same record. Meanwhile
+``/readyz`` answered 200, in-flight and lag read 0, and SIGTERM exited 0 with answers unwritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, ClassVar
+
+import aiohttp
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaTimeoutError
+
+from kvgate.admission_service.embedded_broker import EmbeddedBroker
+from kvgate.admission_service.messages import DeadLetter, RejectCode, ResultStatus
+from kvgate.admission_service.service import AdmissionService
+from kvgate.admission_service.settings import LimitsSettings, ServiceSettings, load_settings
+from kvgate.admission_service.sim_executor import LocalConnector, SimExecutorConfig
+
+from .helpers import request_body, until
+from .kafka_helpers import Topics, committed_offsets, read_all, read_results
+
+pytestmark = pytest.mark.timeout(120)
+SIM = SimExecutorConfig(num_blocks=64, block_size=4)
+PRODUCTION = LimitsSettings()  # the defaults: what a deployment runs with
+HUGE = b"x" * int(4.5 * 2**20)  # over the service producer's 4 MiB at the default limits
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[EmbeddedBroker]:
+    with EmbeddedBroker() as running:
+        yield running
+
+
+@pytest.fixture
+async def connector() -> AsyncIterator[LocalConnector]:
+    local = LocalConnector()
+    local.add("a", SIM)
+    yield local
+
+
+def settings_for(broker: EmbeddedBroker, topics: Topics, **kafka: Any) -> ServiceSettings:
+    assert PRODUCTION.max_message_bytes == 1 << 20, "the test must run at the production limit"
+    return load_settings(
+        None,
+        {
+            "kafka": topics.kafka_settings(
+                broker.bootstrap,
+                partitions=1,
+                session_timeout_ms=2000,
+                heartbeat_interval_ms=500,
+                commit_interval_ms=50,
+                **kafka,
+            ),
+            "executors": {"members": [{"name": "a", "endpoint": "ws://local/a"}]},
+            "admin": {"host": "127.0.0.1", "port": 0, "token": "t"},
+        },
+    )
+
+
+async def produce_raw(
+    bootstrap: str, topic: str, records: list[tuple[bytes | None, bytes]]
+) -> None:
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", enable_idempotence=False, max_request_size=8 << 20
+    )
+    await producer.start()
+    try:
+        for key, value in records:
+            await (await producer.send(topic, value, key=key))
+    finally:
+        await producer.stop()
+
+
+def valid(n: int) -> tuple[bytes, bytes]:
+    body = request_body(f"ok-{n}", max_tokens=3)
+    return body["request_id"].encode(), json.dumps(body).encode()
+
+
+async def test_an_oversized_record_is_truncated_into_the_dead_letter_topic_and_blocks_nothing(
+    broker: EmbeddedBroker, connector: LocalConnector
+) -> None:
+    topics = Topics.unique("oversized")
+    service = AdmissionService(settings_for(broker, topics), connector=connector)
+    await service.start()
+    try:
+        records = [valid(0), (b"huge-1", HUGE), (None, b"not json"), *(valid(n) for n in (1, 2))]
+        await produce_raw(broker.bootstrap, topics.requests, records)
+        results = await read_results(
+            broker.bootstrap, topics.results, 4, read_committed=False, settle_s=1.0
+        )
+        answers = Counter(r.request_id for r in results)
+        assert answers == {"ok-0": 1, "huge-1": 1, "ok-1": 1, "ok-2": 1}, "one answer each"
+        assert {r.request_id: r.status for r in results}["huge-1"] is ResultStatus.REJECTED
+        letters = await read_all(broker.bootstrap, topics.dlq, until_count=2, settle_s=1.0)
+        assert len(letters) == 2, "each dead letter is written once"
+        huge, junk = sorted(letters, key=lambda r: DeadLetter.from_headers(r.headers).offset)
+        meta = DeadLetter.from_headers(huge.headers)
+        assert (meta.code, meta.topic, meta.partition, meta.offset) == (
+            RejectCode.TOO_LARGE,
+            topics.requests,
+            0,
+            1,
+        )
+        assert meta.truncated and meta.original_bytes == len(HUGE)
+        assert meta.sha256 == hashlib.sha256(HUGE).hexdigest()
+        assert huge.value is not None and HUGE.startswith(huge.value) and len(huge.value) > 0
+        assert len(huge.value) + sum(len(v) for _, v in huge.headers) < PRODUCTION.max_message_bytes
+        assert junk.value == b"not json" and not DeadLetter.from_headers(junk.headers).truncated
+        await until(
+            lambda: service.outbox is not None and service.outbox.num_unwritten == 0,
+            what="everything written",
+        )
+        committed = await committed_offsets(broker.bootstrap, topics.group, topics.requests, 1)
+        assert committed == {0: len(records)}
+    finally:
+        assert await service.shutdown() == 0
+
+
+class _FailingResults(AIOKafkaProducer):  # type: ignore[misc]
+    """A producer whose sends to one topic fail while ``failing`` holds it (a results topic
+    that cannot be written: its leader gone, its quota exhausted, its ACLs revoked)."""
+
+    failing: ClassVar[set[str]] = set()
+
+    async def send(self, topic: str, *args: Any, **kwargs: Any) -> Any:
+        if topic in self.failing:
+            raise KafkaTimeoutError(f"cannot write {topic} (test)")
+        return await super().send(topic, *args, **kwargs)
+
+
+async def test_failing_commits_fail_readiness_show_the_stuck_partition_and_the_exit_status(
+    broker: EmbeddedBroker, connector: LocalConnector
+) -> None:
+    topics = Topics.unique("stuck")
+    settings = settings_for(broker, topics, commit_stall_timeout_s=0.5)
+    service = AdmissionService(settings, connector=connector)
+    make_producer = service._producer
+
+    def failing_producer(transactional_id: str | None) -> AIOKafkaProducer:
+        producer = make_producer(transactional_id)
+        producer.__class__ = _FailingResults
+        return producer
+
+    service._producer = failing_producer  # type: ignore[method-assign]
+    _FailingResults.failing = {topics.results}
+    await service.start()
+    unwritten = None
+    try:
+        base = f"http://127.0.0.1:{service.admin_port}"
+        async with aiohttp.ClientSession() as http:
+            await produce_raw(broker.bootstrap, topics.requests, [valid(n) for n in range(3)])
+            await until(lambda: service.metrics.received._value.get() >= 3, what="all read")
+
+            async def readyz() -> tuple[int, str]:
+                async with http.get(f"{base}/readyz") as response:
+                    return response.status, await response.text()
+
+            deadline = time.monotonic() + 20
+            status, body = await readyz()
+            while status != 503 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                status, body = await readyz()
+            assert status == 503, body
+            assert "partition 0" in body and "3 answers unwritten" in body, body
+            async with http.get(f"{base}/metrics") as response:
+                text = await response.text()
+            assert 'kvgate_admission_unwritten_answers{partition="0"} 3.0' in text
+            assert "kvgate_admission_requests_in_flight 3.0" in text
+            assert 'kvgate_admission_consumer_lag{partition="0"} 3.0' in text
+            stalled = [
+                line
+                for line in text.splitlines()
+                if line.startswith('kvgate_admission_commit_stalled_seconds{partition="0"}')
+            ]
+            assert stalled and float(stalled[0].split()[-1]) > 0, stalled
+    finally:
+        unwritten = await service.shutdown()
+    assert unwritten == 3, "shutdown reports the answers it could not write"
