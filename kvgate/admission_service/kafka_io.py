@@ -8,7 +8,6 @@ commit cycles (``outbox.py``), lives here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -18,7 +17,7 @@ from typing import Any, Final
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import ConsumerRecord
 
@@ -172,6 +171,9 @@ async def ensure_topics(settings: KafkaSettings) -> TopicLimits:
         await admin.close()
 
 
+_TOPIC_ALREADY_EXISTS: Final = 36
+
+
 async def _create(
     admin: AIOKafkaAdminClient,
     settings: KafkaSettings,
@@ -179,22 +181,25 @@ async def _create(
     partitions: int,
     config: dict[str, str],
 ) -> None:
+    """Create ``topics`` (one already there counts as created: another instance was first).
+    A broker that refuses ``config`` gets the topics with its defaults (and a warning)."""
     new = [
         NewTopic(topic, partitions, settings.replication_factor, topic_configs=config)
         for topic in topics
     ]
-    try:
-        with contextlib.suppress(TopicAlreadyExistsError):  # another instance was first
-            await admin.create_topics(new)
-    except KafkaError as exc:
-        if not config:
-            raise
-        # A broker that refuses topic configs (Tansu): the broker's default then.
-        log.warning("creating %s with %s failed (%r); using broker defaults", topics, config, exc)
-        with contextlib.suppress(TopicAlreadyExistsError):
-            await admin.create_topics(
-                [NewTopic(t, partitions, settings.replication_factor) for t in topics]
-            )
+    response = await admin.create_topics(new)
+    # aiokafka returns per-topic error codes instead of raising.
+    errors = [(t, code, rest) for t, code, *rest in response.topic_errors]
+    refused = [
+        (t, code, rest) for t, code, rest in errors if code not in (0, _TOPIC_ALREADY_EXISTS)
+    ]
+    if refused and config:
+        log.warning(
+            "creating %s with %s failed (%s); using the broker's defaults", topics, config, refused
+        )
+        await _create(admin, settings, [t for t, _, _ in refused], partitions, {})
+    elif refused:
+        raise KafkaSetupError(f"creating topics failed: {refused}")
     log.info("created topics %s with %d partitions %s", topics, partitions, config or "")
 
 

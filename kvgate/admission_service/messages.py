@@ -1,7 +1,7 @@
 """Kafka message bodies: requests in, results and token chunks out, aborts, dead letters.
 
-Every body is JSON validated by a pydantic model with ``extra="forbid"`` and a
-``schema_version``; a producer that sends a field this version does not know is told so in the
+Every body is UTF-8 JSON validated by a pydantic model with ``extra="forbid"`` and a
+``schema_version``; what producers send is validated strictly (exact JSON types, finite numbers); a producer that sends a field this version does not know is told so in the
 dead-letter reason instead of having it silently ignored.
 
 ```
@@ -18,7 +18,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvgate.admission_service.scheduler.config import RestoreMode
 
@@ -35,10 +35,24 @@ class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class _Input(_Message):
+    """What producers send: exact wire types (no ``"4"`` or ``true`` for an integer, no
+    ``1.0`` for one either) and finite numbers only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("schema_version", mode="before", check_fields=False)
+    @classmethod
+    def _integer_version(cls, value: object) -> object:
+        if isinstance(value, bool):  # a Literal[1] would take True (True == 1)
+            raise ValueError(f"schema_version must be the integer {SCHEMA_VERSION}, not a boolean")
+        return value
+
+
 # ------------------------------------------------------------------------------ requests
 
 
-class RequestSampling(_Message):
+class RequestSampling(_Input):
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: PositiveInt | None = None
@@ -46,7 +60,7 @@ class RequestSampling(_Message):
     ignore_eos: bool = False
 
 
-class RequestLoops(_Message):
+class RequestLoops(_Input):
     """Loop bounds for looped models (a plain model ignores them)."""
 
     min_loops: PositiveInt = 1
@@ -60,7 +74,7 @@ class RequestLoops(_Message):
         return self
 
 
-class InferenceRequest(_Message):
+class InferenceRequest(_Input):
     """One generation job. ``prompt`` is token ids, or text when the service has a tokenizer.
 
     ``priority``: lower is more important. ``deadline_unix_s``: wall-clock time (seconds since
@@ -79,7 +93,7 @@ class InferenceRequest(_Message):
     deadline_unix_s: Annotated[float, Field(gt=0.0)] | None = None
 
 
-class AbortRequest(_Message):
+class AbortRequest(_Input):
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: RequestId
 

@@ -115,11 +115,13 @@ class AdmissionService:
         self.admin_port: int | None = None
         self._failed: BaseException | None = None
         self.failed = asyncio.Event()
+        self._topic_limits: TopicLimits | None = None
 
     # -------------------------------------------------------------------------- start
     async def start(self) -> None:
         kafka = self.settings.kafka
         limits = await ensure_topics(kafka)
+        self._topic_limits = limits
         self.exactly_once = await exactly_once_enabled(kafka)
         log.info(
             "%s has %d partitions; exactly-once %s",
@@ -172,7 +174,10 @@ class AdmissionService:
 
     @property
     def _max_request_bytes(self) -> int:
-        return max(1 << 20, 4 * self.settings.limits.max_message_bytes)
+        """The producers' request limit: room for dead letters of the largest requests the
+        service reads, and of the largest the request topic accepts (plus their headers)."""
+        topic = self._topic_limits.request_max_bytes if self._topic_limits is not None else None
+        return max(1 << 20, 4 * self.settings.limits.max_message_bytes, (topic or 0) + (64 << 10))
 
     def _dead_letter_room(self, limits: TopicLimits) -> int:
         """The most a dead letter may take: what the producer sends and the topic accepts."""

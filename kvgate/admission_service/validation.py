@@ -2,7 +2,8 @@
 
 Checks, in order (the first failure decides the reason)::
 
-    size ≤ max_message_bytes → JSON object → schema_version known → InferenceRequest schema
+    size ≤ max_message_bytes → UTF-8 (no byte-order mark) → JSON (RFC 8259: no NaN or
+    Infinity) object → schema_version the integer 1 → InferenceRequest schema (exact types)
     → text prompt only with a tokenizer → prompt ≤ max_prompt_tokens → max_tokens ≤ limit
     → priority in [priority_min, priority_max]
 
@@ -102,6 +103,51 @@ def describe_schema_error(error: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+_UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def _encoding_problem(value: bytes) -> str | None:
+    """Why ``value`` is not UTF-8 text, in the terms a producer can act on (None if it is)."""
+    if value.startswith(_UTF8_BOM):
+        return "the body starts with a UTF-8 byte-order mark; send UTF-8 JSON without one"
+    head = value[:4]
+    if head.startswith(_UTF32_BOMS) or (len(head) == 4 and head.count(0) == 3):
+        return "the body is UTF-32 encoded; send UTF-8 JSON"
+    if head.startswith(_UTF16_BOMS) or 0 in head[:2]:
+        return "the body is UTF-16 encoded; send UTF-8 JSON"
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the body is not UTF-8: byte {exc.start} ({value[exc.start]:#04x}) is invalid"
+    return None
+
+
+def _no_constants(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259)")
+
+
+def _version_problem(body: dict[str, object]) -> Rejection | None:
+    if "schema_version" not in body:
+        return None
+    version = body["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        shown = f"the string {version!r}" if isinstance(version, str) else json.dumps(version)
+        return Rejection(
+            RejectCode.SCHEMA,
+            f"schema_version must be the integer {SCHEMA_VERSION}, not {shown}",
+            None,
+        )
+    if version != SCHEMA_VERSION:
+        return Rejection(
+            RejectCode.UNSUPPORTED_VERSION,
+            f"schema_version {version} is not supported (this service reads {SCHEMA_VERSION})",
+            None,
+        )
+    return None
+
+
 def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Rejection:
     value = record.value
     if value is None:
@@ -112,9 +158,14 @@ def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Reje
             f"the record is {len(value)} bytes; limits.max_message_bytes is {max_bytes}",
             _key_id(record),
         )
+    problem = _encoding_problem(value)
+    if problem is not None:
+        return Rejection(RejectCode.MALFORMED_JSON, problem, _key_id(record))
     try:
-        body = json.loads(value)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(value, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
+        return Rejection(RejectCode.MALFORMED_JSON, f"not JSON: {exc}", _key_id(record))
+    except ValueError as exc:  # NaN or Infinity
         return Rejection(RejectCode.MALFORMED_JSON, f"not JSON: {exc}", _key_id(record))
     except RecursionError:
         # Hostile nesting: the parser's depth limit, not a reason to stop consuming.
@@ -127,13 +178,10 @@ def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Reje
             f"the body must be a JSON object, not {type(body).__name__}",
             _key_id(record),
         )
-    version = body.get("schema_version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
-        return Rejection(
-            RejectCode.UNSUPPORTED_VERSION,
-            f"schema_version {version!r} is not supported (this service reads {SCHEMA_VERSION})",
-            _readable_id(body.get("request_id")) or _key_id(record),
-        )
+    version = _version_problem(body)
+    if version is not None:
+        request_id = _readable_id(body.get("request_id")) or _key_id(record)
+        return Rejection(version.code, version.reason, request_id)
     return body
 
 

@@ -193,7 +193,7 @@ def out_of_range(rng: random.Random, n: int, limits: Limits) -> Message:
             ({"priority": -(10**6)}, {R.PRIORITY_OUT_OF_RANGE}, "priority"),
             ({"prompt": [limits.vocab_size + 5]}, {R.TOKEN_OUT_OF_VOCABULARY}, "vocabulary"),
             ({"schema_version": 2}, {R.UNSUPPORTED_VERSION}, "version"),
-            ({"schema_version": "1"}, {R.UNSUPPORTED_VERSION}, "version"),
+            ({"schema_version": "1"}, {R.SCHEMA}, "version type"),
             ({"prompt": "text without a tokenizer"}, {R.TEXT_WITHOUT_TOKENIZER}, "text"),
             (
                 {
