@@ -29,6 +29,7 @@ from opentelemetry.trace import Span
 
 from kvgate.admission_service.admin_api import ExecutorSpec, ExecutorStatus
 from kvgate.admission_service.executor_client import Connector, EpochClock
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.membership import Membership
 from kvgate.admission_service.messages import (
     FinishReason,
@@ -110,6 +111,7 @@ class Engine:
         tokenizer: TextCodec | None = None,
         epochs: EpochClock | None = None,
         clock: Callable[[], float] = time.monotonic,
+        answered: AnsweredIds | None = None,
     ) -> None:
         self.settings = settings
         self._sink = sink
@@ -125,6 +127,8 @@ class Engine:
             observer=self,
         )
         self._requests: dict[str, Tracked] = {}
+        # One answer per id (idempotency.py): ids answered within the window.
+        self.answered = answered or AnsweredIds(window_s=600.0, max_ids=200_000)
         self._unplaced: list[tuple[int, str]] = []  # heap of (arrival_seq, request id)
         self._num_unplaced = 0
         self._next_seq = 0
@@ -188,8 +192,12 @@ class Engine:
             topic=record.topic, partition=record.partition, offset=record.offset
         )
         rid = request.request_id
-        if rid in self._requests:
-            reason = "a request with this id is already in flight"
+        if rid in self._requests or rid in self.answered:
+            reason = (
+                "a request with this id is already in flight"
+                if rid in self._requests
+                else "a request with this id was already answered"
+            )
             self._reject_record(
                 record, Rejection(RejectCode.DUPLICATE, reason, rid), record.traceparent
             )
@@ -410,6 +418,7 @@ class Engine:
 
     def _deliver(self, tracked: Tracked, result: InferenceResult) -> None:
         self._release(tracked)
+        self.answered.add(result.request_id)
         self._sink.answer(result, tracked.traceparent)
         self.metrics.results.labels(status=result.status.value).inc()
         self._tracer.finish_request(tracked.span, tracked.request, result)
@@ -429,6 +438,7 @@ class Engine:
         record = tracked.record
         result = unfinished_result(tracked, ResultStatus.REJECTED, reason, self._clock(), code=code)
         self._release(tracked)
+        self.answered.add(result.request_id)
         self.metrics.rejections.labels(code=code.value).inc()
         self.metrics.results.labels(status=result.status.value).inc()
         self._sink.reject(record, Rejection(code, reason, tracked.request_id), result)
@@ -439,8 +449,11 @@ class Engine:
     ) -> None:
         source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
         result = None
-        if rejection.request_id is not None:
-            result = rejected_result(rejection.request_id, source, rejection.code, rejection.reason)
+        rid = rejection.request_id
+        # A result only for an id that has none yet (and gets none from a copy in flight).
+        if rid is not None and rid not in self._requests and rid not in self.answered:
+            result = rejected_result(rid, source, rejection.code, rejection.reason)
+            self.answered.add(rid)
             self.metrics.results.labels(status=result.status.value).inc()
         self.metrics.rejections.labels(code=rejection.code.value).inc()
         self._sink.reject(record, rejection, result)

@@ -6,9 +6,10 @@ answer is not durable (at-least-once consumption).
 
 On assignment of partition ``p`` (in this order): start ``p``'s transactional producer (fences
 the previous owner, finishing or aborting its open transaction); read the committed offset and
-its metadata; scan the results partition ``p`` from the recorded position for answers to
-requests at or above that offset; seek to it. Reading such an answered request again finalises
-it without running it.
+its metadata; scan the results partition ``p`` from the recorded position (or from the start of
+the idempotency window, when earlier) for answers to requests at or above that offset and for
+the ids answered within the window (``idempotency.py``); seek to it. Reading such an answered
+request again finalises it without running it.
 
 On revocation of ``p``: requests read from ``p`` are cancelled here without answers (handed
 off), one last commit cycle commits ``p`` up to its lowest unanswered offset, and ``p``'s
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -169,15 +171,20 @@ class Intake:
         )
         await self.outbox.open_partition(tp.partition)
         committed, metadata = await committed_offset(self.consumer, tp)
-        answered, end = await scan_answered(
+        window_s = self.settings.limits.idempotency_window_s
+        scan = await scan_answered(
             kafka,
             partition=tp.partition,
             results_from=decode_metadata(metadata),
             committed=committed,
             read_committed=read_committed,
+            ids_since_s=time.time() - window_s,
         )
+        answered = scan.answered
+        self.engine.answered.add_all(scan.ids)
         self.outbox.track(
-            tp.partition, PartitionLedger(committed=committed, answered=answered, results_end=end)
+            tp.partition,
+            PartitionLedger(committed=committed, answered=answered, results_end=scan.end),
         )
         self._first_read.pop(tp.partition, None)
         if committed is not None:

@@ -8,6 +8,7 @@ commit cycles (``outbox.py``), lives here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -269,6 +270,32 @@ async def committed_offset(
     return (None if offset is None or offset < 0 else int(offset)), None
 
 
+@dataclass(frozen=True, slots=True)
+class AnsweredScan:
+    """What a results partition says at assignment (see :func:`scan_answered`)."""
+
+    answered: dict[int, int]  # request offset -> results offset, for requests >= committed
+    end: int | None  # where the scan ended (None: it gave up)
+    ids: list[tuple[str, float]]  # (request id, wall-clock seconds) answered since ids_since
+
+
+async def _window_start(
+    consumer: AIOKafkaConsumer, tp: TopicPartition, since_ms: int
+) -> int | None:
+    """The first results offset written at or after ``since_ms`` (the end when none is);
+    None when the broker cannot say (Tansu: then the caller reads from its own start)."""
+    try:
+        found = await consumer.offsets_for_times({tp: since_ms})
+    except (KafkaError, ValueError, TypeError) as exc:
+        log.warning("%s: the broker cannot look offsets up by time (%r)", tp, exc)
+        return None
+    entry = found.get(tp)
+    if entry is not None:
+        return int(entry.offset)
+    ends = await consumer.end_offsets([tp])
+    return int(ends[tp])
+
+
 async def scan_answered(
     settings: KafkaSettings,
     *,
@@ -276,10 +303,12 @@ async def scan_answered(
     results_from: int | None,
     committed: int | None,
     read_committed: bool,
-) -> tuple[dict[int, int], int | None]:
-    """Read results partition ``partition`` from ``results_from`` (its start when None) to its
-    end; returns (request offset -> results offset) for answers to requests at or above
-    ``committed``, and the end position reached (None if the scan gave up).
+    ids_since_s: float | None = None,
+) -> AnsweredScan:
+    """Read results partition ``partition`` to its end, from the earlier of ``results_from``
+    (its start when None) and the first result written since ``ids_since_s``; returns the
+    answers to requests at or above ``committed`` (request offset -> results offset), the end
+    position reached (None if the scan gave up), and the ids answered since ``ids_since_s``.
 
     The end is the last stable offset (transactions) or high watermark as the broker reports
     them with each fetch — both correct on brokers whose ``end_offsets`` are not (Tansu).
@@ -294,12 +323,18 @@ async def scan_answered(
     )
     await consumer.start()
     answered: dict[int, int] = {}
+    ids: list[tuple[str, float]] = []
+    since_ms = None if ids_since_s is None else int(ids_since_s * 1000)
     try:
         consumer.assign([tp])
-        if results_from is None:
+        start = results_from
+        if start is not None and since_ms is not None:
+            window = await _window_start(consumer, tp, since_ms)
+            start = None if window is None else min(start, window)
+        if start is None:
             await consumer.seek_to_beginning(tp)
         else:
-            consumer.seek(tp, results_from)
+            consumer.seek(tp, start)
         deadline = time.monotonic() + settings.skip_scan_timeout_s
         while True:
             batch = await consumer.getmany(tp, timeout_ms=200, max_records=5000)
@@ -307,10 +342,13 @@ async def scan_answered(
                 found = _answered_offset(message.value, settings.request_topic, partition)
                 if found is not None and (committed is None or found >= committed):
                     answered[found] = message.offset
+                if since_ms is not None and message.timestamp >= since_ms and message.key:
+                    with contextlib.suppress(UnicodeDecodeError):
+                        ids.append((message.key.decode("utf-8"), message.timestamp / 1000))
             end = consumer.last_stable_offset(tp) if read_committed else consumer.highwater(tp)
             position = await consumer.position(tp)
             if end is not None and position >= end and not batch:
-                return answered, position
+                return AnsweredScan(answered, position, ids)
             if time.monotonic() > deadline:
                 log.error(
                     "reading %s for answered requests gave up after %.0f s at offset %d",
@@ -318,7 +356,7 @@ async def scan_answered(
                     settings.skip_scan_timeout_s,
                     position,
                 )
-                return answered, None
+                return AnsweredScan(answered, None, ids)
     finally:
         await consumer.stop()
 

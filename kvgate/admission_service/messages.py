@@ -1,7 +1,8 @@
 """Kafka message bodies: requests in, results and token chunks out, aborts, dead letters.
 
 Every body is UTF-8 JSON validated by a pydantic model with ``extra="forbid"`` and a
-``schema_version``; what producers send is validated strictly (exact JSON types, finite numbers); a producer that sends a field this version does not know is told so in the
+``schema_version``; what producers send is validated strictly (exact JSON types, finite
+numbers). A producer that sends a field this version does not know is told so in the
 dead-letter reason instead of having it silently ignored.
 
 ```

@@ -36,6 +36,7 @@ from kvgate.admission_service.dead_letters import MIN_DEAD_LETTER_BYTES
 from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_client import Connector, WebSocketConnector
 from kvgate.admission_service.faults import CrashPoints
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.intake import AbortReader, Intake, request_consumer
 from kvgate.admission_service.kafka_health import KafkaHealth
 from kvgate.admission_service.kafka_io import (
@@ -140,8 +141,12 @@ class AdmissionService:
             crash_points=CrashPoints(),
             on_fenced=self._fenced,
         )
+        limits_settings = self.settings.limits
         engine = Engine(
             self.engine_settings,
+            answered=AnsweredIds(
+                limits_settings.idempotency_window_s, limits_settings.idempotency_max_ids
+            ),
             connector=self._connector,
             sink=self.outbox,
             tracer=self._tracer,

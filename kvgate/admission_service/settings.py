@@ -238,6 +238,11 @@ class LimitsSettings(_Section):
     tokenizer_file: Path | None = None  # enables text prompts and text in results
     # Aborts are remembered this long, for requests that arrive after their abort.
     abort_memory_s: PositiveSeconds = 600.0
+    # One answer per request id: an id answered within this window (here, or by an earlier
+    # owner of its partition: read back from the results topic) is a duplicate, dead-lettered
+    # without a result. At most idempotency_max_ids are remembered (the oldest go first).
+    idempotency_window_s: PositiveSeconds = 600.0
+    idempotency_max_ids: Annotated[int, Field(ge=1)] = 200_000
 
     @model_validator(mode="after")
     def _ranges(self) -> Self:

@@ -190,3 +190,41 @@ async def test_failing_commits_fail_readiness_show_the_stuck_partition_and_the_e
     finally:
         unwritten = await service.shutdown()
     assert unwritten == 3, "shutdown reports the answers it could not write"
+
+
+async def test_one_answer_per_request_id_across_completion_and_restarts(
+    broker: EmbeddedBroker, connector: LocalConnector
+) -> None:
+    """Regression: a duplicate id was caught only while its first copy ran, and then got a
+    ``rejected`` result under the same id (two answers); once the first had finished, the
+    same id simply ran again."""
+    topics = Topics.unique("idempotent")
+    settings = settings_for(broker, topics)
+    backend = connector.backends["a"]
+    service = AdmissionService(settings, connector=connector)
+    await service.start()
+    try:
+        backend.hold()
+        await produce_raw(broker.bootstrap, topics.requests, [valid(1), valid(1)])  # in flight
+        await until(lambda: service.metrics.dead_letters._value.get() >= 1, what="in-flight dup")
+        backend.release()
+        await read_results(broker.bootstrap, topics.results, 1, read_committed=False)
+        # After it completed: the same id again, and a bad record keyed with it.
+        await produce_raw(broker.bootstrap, topics.requests, [valid(1), (b"ok-1", b"{oops")])
+        await until(lambda: service.metrics.dead_letters._value.get() >= 3, what="late dups")
+    finally:
+        assert await service.shutdown() == 0
+    successor = AdmissionService(settings, connector=connector)
+    await successor.start()
+    try:
+        await produce_raw(broker.bootstrap, topics.requests, [valid(1), valid(2)])
+        results = await read_results(
+            broker.bootstrap, topics.results, 2, read_committed=False, settle_s=1.0
+        )
+        assert Counter(r.request_id for r in results) == {"ok-1": 1, "ok-2": 1}
+        assert all(r.status is ResultStatus.COMPLETED for r in results)
+        letters = await read_all(broker.bootstrap, topics.dlq, until_count=4, settle_s=0.5)
+        codes = Counter(DeadLetter.from_headers(r.headers).code for r in letters)
+        assert codes == {RejectCode.DUPLICATE: 3, RejectCode.MALFORMED_JSON: 1}
+    finally:
+        assert await successor.shutdown() == 0
