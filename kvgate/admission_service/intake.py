@@ -21,8 +21,13 @@ Whoever gets ``p`` then — this instance included — takes it over as above. W
 rebalance a fence that no new owner caused (a transaction the broker timed out) would leave
 ``p`` assigned here and never read again.
 
+Text prompts are tokenized on worker threads (``limits.tokenizer_threads``), never on the event
+loop, after the character limit is checked; while one is tokenized its offset is in flight like
+any running request's.
+
 Backpressure: all request partitions are paused while the requests waiting here (read, not yet
-running) reach ``limits.max_waiting_requests``, and resumed once they fall to the resume mark.
+running) reach ``limits.max_waiting_requests``, or the texts waiting for tokenization reach
+``limits.max_pending_tokenizations``, and resumed once they fall to their resume marks.
 Records already fetched when the pause starts are still queued, so the mark can be overshot by
 up to ``max_poll_records``.
 
@@ -49,15 +54,19 @@ from kvgate.admission_service.kafka_io import (
     raw_record,
     scan_answered,
 )
+from kvgate.admission_service.messages import RejectCode
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.outbox import Outbox
 from kvgate.admission_service.settings import IsolationLevel, ServiceSettings
-from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.tokenizer import TextCodec, TokenizerThreads
 from kvgate.admission_service.validation import (
     Accepted,
+    NeedsTokens,
+    RawRecord,
     Rejection,
+    check_request,
+    complete_text,
     validate_abort,
-    validate_request,
 )
 
 log = logging.getLogger(__name__)
@@ -111,7 +120,12 @@ class Intake:
         self.engine = engine
         self.outbox = outbox
         self.metrics = metrics
-        self._tokenizer = tokenizer
+        self._tokenizer = (
+            None
+            if tokenizer is None
+            else TokenizerThreads(tokenizer, settings.limits.tokenizer_threads)
+        )
+        self._tokenizing: set[asyncio.Task[None]] = set()
         self.paused = False
         self.assigned_once = asyncio.Event()
         self._fetching = True
@@ -222,20 +236,58 @@ class Intake:
             record = raw_record(message)
             if outbox.read(partition, record.offset):
                 continue  # answered before (by a previous owner), or not ours (fenced)
-            verdict = validate_request(record, limits, self._tokenizer)
+            verdict = check_request(record, limits, has_tokenizer=self._tokenizer is not None)
             if isinstance(verdict, Accepted):
                 engine.submit(record, verdict)
+            elif isinstance(verdict, NeedsTokens):
+                self._tokenize(record, verdict)
             else:
                 engine.reject(record, verdict)
+
+    def _tokenize(self, record: RawRecord, pending: NeedsTokens) -> None:
+        """Tokenize off the loop; the request continues from there unless its partition left
+        this instance meanwhile (then its next owner reads it again)."""
+        ledger = self.outbox.ledgers.get(record.partition)
+        task = asyncio.create_task(self._tokenized(record, pending, ledger))
+        self._tokenizing.add(task)
+        task.add_done_callback(self._tokenizing.discard)
+
+    async def _tokenized(
+        self, record: RawRecord, pending: NeedsTokens, ledger: PartitionLedger | None
+    ) -> None:
+        assert self._tokenizer is not None
+        try:
+            token_ids = await self._tokenizer.encode(pending.text)
+        except Exception as exc:  # a tokenizer error is about this prompt, never fatal
+            verdict: Accepted | Rejection = Rejection(
+                RejectCode.SCHEMA,
+                f"the prompt text cannot be tokenized: {exc}",
+                pending.request.request_id,
+            )
+        else:
+            verdict = complete_text(pending, token_ids, self.settings.limits)
+        if self.outbox.ledgers.get(record.partition) is not ledger:
+            return  # revoked or fenced while it was tokenized: handed off
+        if isinstance(verdict, Accepted):
+            self.engine.submit(record, verdict)
+        else:
+            self.engine.reject(record, verdict)
 
     def _backpressure(self) -> None:
         waiting = self.engine.num_waiting
         limits = self.settings.limits
-        if not self.paused and waiting >= limits.max_waiting_requests:
+        texts = len(self._tokenizing)
+        if not self.paused and (
+            waiting >= limits.max_waiting_requests or texts >= limits.max_pending_tokenizations
+        ):
             self.paused = True
             self.consumer.pause(*self.consumer.assignment())
             log.info("pausing intake: %d requests waiting", waiting)
-        elif self.paused and waiting <= limits.resume_mark:
+        elif (
+            self.paused
+            and waiting <= limits.resume_mark
+            and texts < limits.max_pending_tokenizations // 2 + 1
+        ):
             self.paused = False
             self.consumer.resume(*self.consumer.assignment())
             log.info("resuming intake: %d requests waiting", waiting)
@@ -245,6 +297,10 @@ class Intake:
         self._fetching = False
         self.consumer.pause(*self.consumer.assignment())
         await self._stopped.wait()
+        # Texts being tokenized become requests (or rejections) before the grace period.
+        await asyncio.gather(*self._tokenizing, return_exceptions=True)
+        if self._tokenizer is not None:
+            self._tokenizer.close()
 
     def lag(self) -> dict[int, int]:
         """Records of each assigned partition not yet committed: from the committed offset

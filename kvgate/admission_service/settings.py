@@ -236,6 +236,14 @@ class LimitsSettings(_Section):
     max_waiting_requests: Annotated[int, Field(ge=1)] = 4096
     resume_waiting_requests: Annotated[int, Field(ge=0)] | None = None
     tokenizer_file: Path | None = None  # enables text prompts and text in results
+    # Text prompts longer than this many characters are rejected before tokenizing (default:
+    # 16 per allowed prompt token — more than any tokenizer packs into one token — so no
+    # acceptable prompt is refused and no hopeless one costs tokenizer time).
+    max_prompt_chars: Annotated[int, Field(ge=1)] | None = None
+    # Text is tokenized on this many threads, off the event loop; intake pauses while this many
+    # texts wait for (or are in) tokenization.
+    tokenizer_threads: Annotated[int, Field(ge=1, le=64)] = 2
+    max_pending_tokenizations: Annotated[int, Field(ge=1)] = 64
     # Aborts are remembered this long, for requests that arrive after their abort.
     abort_memory_s: PositiveSeconds = 600.0
     # One answer per request id: an id answered within this window (here, or by an earlier
@@ -256,6 +264,10 @@ class LimitsSettings(_Section):
                 f"max_waiting_requests ({self.max_waiting_requests})"
             )
         return self
+
+    @property
+    def prompt_char_limit(self) -> int:
+        return self.max_prompt_chars or 16 * self.max_prompt_tokens
 
     @property
     def resume_mark(self) -> int:

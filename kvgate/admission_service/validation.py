@@ -4,7 +4,8 @@ Checks, in order (the first failure decides the reason)::
 
     size ≤ max_message_bytes → UTF-8 (no byte-order mark) → JSON (RFC 8259: no NaN or
     Infinity) object → schema_version the integer 1 → InferenceRequest schema (exact types)
-    → text prompt only with a tokenizer → prompt ≤ max_prompt_tokens → max_tokens ≤ limit
+    → text prompt only with a tokenizer, and ≤ max_prompt_chars → (text: tokenized, off the
+    event loop, see ``intake.py``) → prompt ≤ max_prompt_tokens → max_tokens ≤ limit
     → priority in [priority_min, priority_max]
 
 Capacity (fits an executor's cache, token ids inside its vocabulary) and duplicate in-flight ids
@@ -70,6 +71,19 @@ class RawRecord:
 class Accepted:
     request: InferenceRequest
     prompt_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NeedsTokens:
+    """A valid request whose text prompt must be tokenized before its last checks
+    (:func:`complete_text`)."""
+
+    request: InferenceRequest
+
+    @property
+    def text(self) -> str:
+        assert isinstance(self.request.prompt, str)
+        return self.request.prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +202,19 @@ def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Reje
 def validate_request(
     record: RawRecord, limits: LimitsSettings, tokenizer: TextCodec | None
 ) -> Accepted | Rejection:
+    """Every check, tokenizing a text prompt here (tools and tests; the service tokenizes
+    off its event loop through :func:`check_request` and :func:`complete_text`)."""
+    verdict = check_request(record, limits, has_tokenizer=tokenizer is not None)
+    if isinstance(verdict, NeedsTokens):
+        assert tokenizer is not None
+        return complete_text(verdict, tokenizer.encode(verdict.text), limits)
+    return verdict
+
+
+def check_request(
+    record: RawRecord, limits: LimitsSettings, *, has_tokenizer: bool
+) -> Accepted | NeedsTokens | Rejection:
+    """Every check that needs no tokenizer; a text prompt comes back as :class:`NeedsTokens`."""
     value = record.value
     request: InferenceRequest | None = None
     if value is not None and len(value) <= limits.max_message_bytes:
@@ -199,18 +226,39 @@ def validate_request(
         return _classify_bad_request(record, limits.max_message_bytes)
     rid = request.request_id
     if isinstance(request.prompt, str):
-        if tokenizer is None:
+        if not has_tokenizer:
             return Rejection(
                 RejectCode.TEXT_WITHOUT_TOKENIZER,
                 "the prompt is text but this service has no tokenizer "
                 "(send token ids, or configure limits.tokenizer_file)",
                 rid,
             )
-        token_ids = tuple(tokenizer.encode(request.prompt))
-        if not token_ids:
-            return Rejection(RejectCode.SCHEMA, "the prompt text encodes to no tokens", rid)
-    else:
-        token_ids = tuple(request.prompt)
+        if len(request.prompt) > limits.prompt_char_limit:
+            return Rejection(
+                RejectCode.PROMPT_TOO_LONG,
+                f"the prompt has {len(request.prompt)} characters; at most "
+                f"{limits.prompt_char_limit} are tokenized (limits.max_prompt_chars)",
+                rid,
+            )
+        return NeedsTokens(request)
+    return _checked(request, tuple(request.prompt), limits)
+
+
+def complete_text(
+    pending: NeedsTokens, token_ids: list[int], limits: LimitsSettings
+) -> Accepted | Rejection:
+    """The checks left for a text prompt once it is tokenized."""
+    if not token_ids:
+        return Rejection(
+            RejectCode.SCHEMA, "the prompt text encodes to no tokens", pending.request.request_id
+        )
+    return _checked(pending.request, tuple(token_ids), limits)
+
+
+def _checked(
+    request: InferenceRequest, token_ids: tuple[int, ...], limits: LimitsSettings
+) -> Accepted | Rejection:
+    rid = request.request_id
     if len(token_ids) > limits.max_prompt_tokens:
         return Rejection(
             RejectCode.PROMPT_TOO_LONG,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -228,3 +229,71 @@ async def test_one_answer_per_request_id_across_completion_and_restarts(
         assert codes == {RejectCode.DUPLICATE: 3, RejectCode.MALFORMED_JSON: 1}
     finally:
         assert await successor.shutdown() == 0
+
+
+class _SlowCodec:
+    """A tokenizer whose every encode blocks until the test releases it (a 1 MB text costs a
+    real tokenizer 0.3-1.2 s); it notes how many encodes ran at once and whether one had to
+    give up waiting (which happens only if the service's loop is stuck inside it)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.running = 0
+        self.most_at_once = 0
+        self.texts: list[int] = []
+        self.gave_up = False
+
+    def encode(self, text: str) -> list[int]:
+        with self.lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+            self.texts.append(len(text))
+        try:
+            if not self.release.wait(timeout=10.0):
+                self.gave_up = True
+            return [1 + ord(c) % 400 for c in text[:16]]
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def decode(self, token_ids: list[int]) -> str:
+        return " ".join(map(str, token_ids))
+
+
+async def test_text_prompts_are_tokenized_off_the_loop_within_limits(
+    broker: EmbeddedBroker, connector: LocalConnector
+) -> None:
+    """Regression: text prompts were tokenized on the service's only event loop before any
+    length check; 60 texts of 1 MB held valid requests back for a median 25.9 s."""
+    topics = Topics.unique("tokenizer")
+    codec = _SlowCodec()
+    service = AdmissionService(settings_for(broker, topics), connector=connector)
+    service.tokenizer = codec
+    await service.start()
+    try:
+        limit = PRODUCTION.prompt_char_limit
+        texts = [
+            (f"text-{n}".encode(), json.dumps(request_body(f"text-{n}", prompt="ab " * 300)))
+            for n in range(6)
+        ]
+        too_long = request_body("text-long", prompt="x" * (limit + 1))
+        records = [(k, v.encode()) for k, v in texts]
+        records.append((b"text-long", json.dumps(too_long).encode()))
+        records += [valid(n) for n in range(5)]
+        await produce_raw(broker.bootstrap, topics.requests, records)
+        # Every token-id request is answered while all the texts are still being tokenized.
+        results = await read_results(broker.bootstrap, topics.results, 6, read_committed=False)
+        assert {r.request_id for r in results} == {"text-long", *(f"ok-{n}" for n in range(5))}
+        assert {r.request_id: r.reject_code for r in results}["text-long"] is (
+            RejectCode.PROMPT_TOO_LONG
+        )
+        assert not codec.gave_up
+        codec.release.set()
+        results = await read_results(broker.bootstrap, topics.results, 12, read_committed=False)
+        assert sum(r.status is ResultStatus.COMPLETED for r in results) == 11
+        assert codec.most_at_once <= PRODUCTION.tokenizer_threads
+        assert max(codec.texts) <= limit, "a text over the limit is never tokenized"
+    finally:
+        codec.release.set()
+        assert await service.shutdown() == 0
