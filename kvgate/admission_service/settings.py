@@ -132,7 +132,7 @@ class KafkaSettings(_Section):
     security_protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
     sasl_mechanism: SaslMechanism | None = None
     sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
+    sasl_password: NonEmptySecret | None = None
     sasl_password_file: Path | None = None
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
@@ -182,10 +182,15 @@ class KafkaSettings(_Section):
         return self.transactional_id_prefix or self.group_id
 
 
+NonEmptySecret = Annotated[SecretStr, Field(min_length=1)]
+
+
 class AdminSettings(_Section):
-    host: str = "0.0.0.0"
+    # Loopback unless told otherwise: the admin API can change membership and drain
+    # executors. In Kubernetes the operator's pod config sets 0.0.0.0 (reached by the pod IP).
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080  # 0: any free port (tests)
-    token: SecretStr | None = None
+    token: NonEmptySecret | None = None
     token_file: Path | None = None
 
     def token_value(self) -> str | None:
@@ -197,7 +202,7 @@ class ExecutorsSettings(_Section):
     """Executor membership (a static list here, or pushed through the admin API) and sessions."""
 
     members: list[ExecutorSpec] = Field(default_factory=list)
-    token: SecretStr | None = None
+    token: NonEmptySecret | None = None
     token_file: Path | None = None
     connect_timeout_s: PositiveSeconds = 10.0
     heartbeat_s: PositiveSeconds = 5.0
