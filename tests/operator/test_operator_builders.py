@@ -247,7 +247,11 @@ def test_admission_config_file_contents() -> None:
         "watermark_ratio": 0.05,
         "snapshot_block_cost_s": 1e-5,
     }
-    assert config["admin"] == {"port": 8080, "token_file": "/var/run/kvgate/admin-token/token"}
+    assert config["admin"] == {
+        "host": "0.0.0.0",  # reached by the pod IP (the service's own default is loopback)
+        "port": 8080,
+        "token_file": "/var/run/kvgate/admin-token/token",
+    }
     assert config["executors"] == {"token_file": EXECUTOR_TOKEN_FILE}
     assert config["telemetry"] == {
         "service_name": "prod-admission",
