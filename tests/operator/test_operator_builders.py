@@ -151,6 +151,7 @@ def test_executor_command_line() -> None:
         "float16",
     ]
     assert arg(args, "--host-snapshot-blocks") == "0"
+    assert arg(args, "--host") == "0.0.0.0", "explicit, so the executor's default can be loopback"
     assert "--num-blocks" not in args and "--memory-fraction" not in args
     assert arg(executor_args(spec(kvCache={"numBlocks": 2048})), "--num-blocks") == "2048"
     fraction = executor_args(spec(kvCache={"memoryFraction": 0.85, "hostSnapshotBlocks": 64}))
