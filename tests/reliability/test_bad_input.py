@@ -49,22 +49,28 @@ GEOMETRY = {"num_blocks": 64, "block_size": 8, "vocab_size": LIMITS.vocab_size}
 GROWTH_BOUND = 16 * MIB
 
 
-def _request_spans(path: Path) -> dict[str, dict[str, object]]:
+def _request_spans(path: Path) -> dict[tuple[int, int], dict[str, object]]:
+    """Request spans by the record they were read from (partition, offset): an id alone is
+    ambiguous, since every copy of a duplicate id is traced too."""
     spans = {}
     for line in path.read_text().splitlines():
         span = json.loads(line)
-        request_id = span["attributes"].get("gen_ai.response.id")
-        if span["name"].startswith("text_completion") and isinstance(request_id, str):
-            spans[request_id] = span
+        attributes = span["attributes"]
+        if span["name"].startswith("text_completion") and "messaging.kafka.offset" in attributes:
+            where = (
+                int(attributes["messaging.destination.partition.id"]),
+                int(attributes["messaging.kafka.offset"]),
+            )
+            spans[where] = span
     return spans
 
 
-def _check_trace_context(sent: list[Sent], spans: dict[str, dict[str, object]]) -> None:
+def _check_trace_context(sent: list[Sent], spans: dict[tuple[int, int], dict[str, object]]) -> None:
     for item in sent:
         message = item.message
         if message.label not in ("trace context", "bad trace context"):
             continue
-        span = spans[str(message.request_id)]
+        span = spans[(item.partition, item.offset)]
         if message.label == "bad trace context":
             assert span["parent_span_id"] is None, f"{message.headers} became a parent"
         else:
