@@ -7,8 +7,10 @@ such an id: it is dead-lettered without a second (``rejected``) result.
 
 Where the ids come from::
 
-    answers made here             added when the answer is made (before it is durable: a crash
-                                  before the commit runs the request again, answering it once)
+    answers made here             added when the answer is made; forgotten again if the answer
+                                  is discarded before it is durable (its partition revoked or
+                                  fenced), since the request then runs again (a crash forgets
+                                  everything anyway)
     answers made before           read back from the results partition when a request partition
     (a previous owner, a restart) is assigned (``kafka_io.scan_answered``): every result written
                                   within the window, from the offset for ``now - window``
@@ -56,6 +58,12 @@ class AnsweredIds:
         self._answered_at[request_id] = at
         self._answered_at.move_to_end(request_id)
         self._expire()
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """These answers were discarded before they were durable (their partition was revoked
+        or fenced): the requests run again, and must not count as duplicates of themselves."""
+        for request_id in request_ids:
+            self._answered_at.pop(request_id, None)
 
     def add_all(self, answered: Iterable[tuple[str, float]]) -> None:
         """Answers read back from Kafka (possibly out of order): (id, wall-clock seconds)."""

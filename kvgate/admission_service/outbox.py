@@ -58,6 +58,7 @@ from aiokafka.structs import OffsetAndMetadata, RecordMetadata
 from kvgate.admission_service.dead_letters import MIN_DEAD_LETTER_BYTES, dead_letter_copy
 from kvgate.admission_service.delivery import CommitPoint, PartitionLedger
 from kvgate.admission_service.faults import BEFORE_COMMIT, CrashPoints
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.messages import (
     TRACEPARENT_HEADER,
     DeadLetter,
@@ -135,6 +136,7 @@ class Outbox:
         commit_offsets: CommitOffsets,
         metrics: ServiceMetrics,
         dead_letter_max_bytes: int = 1 << 20,
+        answered: AnsweredIds | None = None,
         crash_points: CrashPoints | None = None,
         on_fenced: Callable[[int], None] = _ignore_fencing,
         clock: Callable[[], float] = time.monotonic,
@@ -142,6 +144,7 @@ class Outbox:
         self.settings = settings
         self.transactional = transactional
         self.dead_letter_max_bytes = dead_letter_max_bytes
+        self._answered = answered
         self._on_fenced = on_fenced
         self._crash = crash_points or CrashPoints({})
         self._new_producer = producer_factory
@@ -326,10 +329,11 @@ class Outbox:
         self._count(1)
 
     def _add(self, source: SourceRef, records: list[OutRecord]) -> None:
+        entry = _Entry(source.offset, records, self.settings.result_topic)
         if source.partition not in self.ledgers:
             log.debug("dropping an answer for revoked partition %d", source.partition)
+            self._discarded([entry])
             return
-        entry = _Entry(source.offset, records, self.settings.result_topic)
         self._pending.setdefault(source.partition, []).append(entry)
         self._count(len(records))
 
@@ -339,8 +343,21 @@ class Outbox:
             self._soon.set()
 
     def _drop_pending(self, partition: int) -> None:
-        for entry in self._pending.pop(partition, []):
-            self._num_pending -= len(entry.records)
+        entries = self._pending.pop(partition, [])
+        self._num_pending -= sum(len(e.records) for e in entries)
+        self._discarded(entries)
+
+    def _discarded(self, entries: list[_Entry]) -> None:
+        """Answers dropped before they were durable: their requests run again (elsewhere or
+        here), so their ids are not answered (see idempotency.py)."""
+        if self._answered is None:
+            return
+        self._answered.forget(
+            r.key.decode()
+            for e in entries
+            for r in e.records
+            if r.topic == e.result_topic and r.key is not None
+        )
 
     # ------------------------------------------------------------------- commit cycles
     async def run(self) -> None:
@@ -452,6 +469,7 @@ class Outbox:
             self.ledgers.pop(partition, None)
             self._stalls.pop(partition, None)
             self._num_pending -= len(records)
+            self._discarded(entries)
             await self._stop_producer(partition)
             self._on_fenced(partition)
             return
@@ -578,5 +596,6 @@ class Outbox:
         """Put back what a cycle could not finish (before anything newer for the partition)."""
         if partition not in self.ledgers:
             self._num_pending -= sum(len(e.records) for e in entries)
+            self._discarded(entries)
             return
         self._pending[partition] = entries + self._pending.get(partition, [])

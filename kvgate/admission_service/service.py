@@ -131,6 +131,10 @@ class AdmissionService:
             "on (transactions)" if self.exactly_once else "off (at-least-once)",
         )
         consumer = request_consumer(self.settings)
+        limits_settings = self.settings.limits
+        answered = AnsweredIds(
+            limits_settings.idempotency_window_s, limits_settings.idempotency_max_ids
+        )
         self.outbox = Outbox(
             kafka,
             transactional=self.exactly_once,
@@ -138,15 +142,13 @@ class AdmissionService:
             commit_offsets=consumer.commit,
             metrics=self.metrics,
             dead_letter_max_bytes=self._dead_letter_room(limits),
+            answered=answered,
             crash_points=CrashPoints(),
             on_fenced=self._fenced,
         )
-        limits_settings = self.settings.limits
         engine = Engine(
             self.engine_settings,
-            answered=AnsweredIds(
-                limits_settings.idempotency_window_s, limits_settings.idempotency_max_ids
-            ),
+            answered=answered,
             connector=self._connector,
             sink=self.outbox,
             tracer=self._tracer,

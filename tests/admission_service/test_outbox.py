@@ -16,6 +16,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from kvgate.admission_service.dead_letters import dead_letter_copy, record_bytes
 from kvgate.admission_service.delivery import PartitionLedger, decode_metadata
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.messages import (
     DeadLetter,
     InferenceResult,
@@ -267,3 +268,28 @@ def test_a_dead_letter_of_any_shape_fits_its_room() -> None:
             )
         else:
             assert (copy.key, copy.value) == (key, whole)
+
+
+async def test_answers_discarded_before_they_are_durable_are_not_remembered_as_answered() -> None:
+    """Regression (the fencing scenario): answers of a fenced or revoked partition are dropped
+    and their requests read again — they must then run, not be taken for duplicates."""
+    producer = ScriptedProducer(refuse=lambda _topic, _value: KafkaTimeoutError())
+    answered = AnsweredIds(window_s=600.0, max_ids=100)
+    box = Outbox(
+        KAFKA,
+        transactional=False,
+        producer_factory=lambda _txn_id: producer,
+        commit_offsets=lambda _offsets: asyncio.sleep(0),
+        metrics=ServiceMetrics(),
+        answered=answered,
+    )
+    await box.start()
+    box.track(0, PartitionLedger(committed=0))
+    box.read(0, 0)
+    answered.add("a")  # the engine records an answer as it makes it
+    box.answer(result("a", 0), None)
+    answered.add("b")
+    box.answer(result("b", 1, partition=3), None)  # a partition not (or no longer) held here
+    assert "b" not in answered
+    assert await box.close_partition(0) == 1  # revoked with the answer unwritten
+    assert "a" not in answered
