@@ -128,7 +128,7 @@ class Engine:
         )
         self._requests: dict[str, Tracked] = {}
         # One answer per id (idempotency.py): ids answered within the window.
-        self.answered = answered or AnsweredIds(window_s=600.0, max_ids=200_000)
+        self.answered = AnsweredIds(600.0, 200_000) if answered is None else answered
         self._unplaced: list[tuple[int, str]] = []  # heap of (arrival_seq, request id)
         self._num_unplaced = 0
         self._next_seq = 0
