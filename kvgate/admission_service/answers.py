@@ -2,7 +2,7 @@
 
 The engine decides *that* a request is answered (and forgets it first); this module decides
 *what* goes out — the result record, its metrics and the end of its span — so each kind of
-answer is written once.
+answer is written once, and every id answered is recorded (``AnsweredIds``: one answer per id).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.scheduler.events import FinishedEvent, TokenEvent
 from kvgate.admission_service.tokenizer import TextCodec
@@ -51,9 +52,11 @@ class Answers:
         tracer: ServiceTracer,
         metrics: ServiceMetrics,
         clock: Callable[[], float],
+        answered: AnsweredIds,
         tokenizer: TextCodec | None = None,
     ) -> None:
         self._sink = sink
+        self._answered = answered
         self._tracer = tracer
         self._metrics = metrics
         self._clock = clock
@@ -76,18 +79,21 @@ class Answers:
         """A request that cannot run anywhere: a rejected result and a dead letter of its record."""
         assert tracked.record is not None
         result = unfinished_result(tracked, ResultStatus.REJECTED, reason, self._clock(), code=code)
+        self._answered.add(result.request_id)
         self._metrics.rejections.labels(code=code.value).inc()
         self._metrics.results.labels(status=result.status.value).inc()
         self._sink.reject(tracked.record, Rejection(code, reason, tracked.request_id), result)
         self._tracer.finish_request(tracked.span, tracked.request, result)
 
-    def rejected_record(self, record: RawRecord, rejection: Rejection) -> None:
+    def rejected_record(self, record: RawRecord, rejection: Rejection, *, in_flight: bool) -> None:
         """A record that never became a request: a dead letter, and a result when the id is
-        known."""
+        known and neither answered already nor answered by a copy in flight (``in_flight``)."""
         source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
         result = None
-        if rejection.request_id is not None:
-            result = rejected_result(rejection.request_id, source, rejection.code, rejection.reason)
+        rid = rejection.request_id
+        if rid is not None and not in_flight and rid not in self._answered:
+            result = rejected_result(rid, source, rejection.code, rejection.reason)
+            self._answered.add(rid)
             self._metrics.results.labels(status=result.status.value).inc()
         self._metrics.rejections.labels(code=rejection.code.value).inc()
         self._sink.reject(record, rejection, result)
@@ -107,6 +113,7 @@ class Answers:
         self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
 
     def _deliver(self, tracked: Tracked, result: InferenceResult) -> None:
+        self._answered.add(result.request_id)
         self._sink.answer(result, tracked.traceparent)
         self._metrics.results.labels(status=result.status.value).inc()
         self._tracer.finish_request(tracked.span, tracked.request, result)

@@ -33,6 +33,7 @@ from kvgate.admission_service.aborts import AbortMemory
 from kvgate.admission_service.answers import Answers, OutcomeSink
 from kvgate.admission_service.executor_client import Connector, EpochClock
 from kvgate.admission_service.executor_handle import ExecutorHandle, SessionSettings
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.membership import Membership
 from kvgate.admission_service.metrics import ExecutorGauge, ServiceMetrics
 from kvgate.admission_service.scheduler.config import SchedulerConfig
@@ -92,13 +93,21 @@ class Engine:
         tokenizer: TextCodec | None = None,
         epochs: EpochClock | None = None,
         clock: Callable[[], float] = time.monotonic,
+        answered: AnsweredIds | None = None,
     ) -> None:
         self.settings = settings
         self._tracer = tracer
         self.metrics = metrics
         self._clock = clock
+        # One answer per id (idempotency.py): ids answered within the window.
+        self.answered = AnsweredIds(600.0, 200_000) if answered is None else answered
         self._answers = Answers(
-            sink, tracer=tracer, metrics=metrics, clock=clock, tokenizer=tokenizer
+            sink,
+            tracer=tracer,
+            metrics=metrics,
+            clock=clock,
+            answered=self.answered,
+            tokenizer=tokenizer,
         )
         self._aborted = AbortMemory(settings.abort_memory_s, clock)
         self.members = Membership(
@@ -169,9 +178,15 @@ class Engine:
             topic=record.topic, partition=record.partition, offset=record.offset
         )
         rid = request.request_id
-        if rid in self._requests:
-            reason = "a request with this id is already in flight"
-            self._answers.rejected_record(record, Rejection(RejectCode.DUPLICATE, reason, rid))
+        if rid in self._requests or rid in self.answered:
+            reason = (
+                "a request with this id is already in flight"
+                if rid in self._requests
+                else "a request with this id was already answered"
+            )
+            self._answers.rejected_record(
+                record, Rejection(RejectCode.DUPLICATE, reason, rid), in_flight=True
+            )
             return
         span = self._tracer.start_request(request, source, record.traceparent)
         spec = build_spec(accepted, traceparent_of_span(span))
@@ -372,5 +387,7 @@ class Engine:
         self._answers.handed_off(tracked)
 
     def reject(self, record: RawRecord, rejection: Rejection) -> None:
-        """A record that failed validation: dead letter, and a result when the id is known."""
-        self._answers.rejected_record(record, rejection)
+        """A record that failed validation: dead letter, and a result when the id is known and
+        has no answer yet (nor one coming from a copy in flight)."""
+        in_flight = rejection.request_id is not None and rejection.request_id in self._requests
+        self._answers.rejected_record(record, rejection, in_flight=in_flight)

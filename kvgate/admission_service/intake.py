@@ -6,9 +6,10 @@ answer is not durable (at-least-once consumption).
 
 On assignment of partition ``p`` (in this order): start ``p``'s transactional producer (fences
 the previous owner, finishing or aborting its open transaction); read the committed offset and
-its metadata; scan the results partition ``p`` from the recorded position for answers to
-requests at or above that offset; seek to it. Reading such an answered request again finalises
-it without running it.
+its metadata; scan the results partition ``p`` from the recorded position (or from the start of
+the idempotency window, when earlier) for answers to requests at or above that offset and for
+the ids answered within the window (``idempotency.py``); seek to it. Reading such an answered
+request again finalises it without running it.
 
 On revocation of ``p``: requests read from ``p`` are cancelled here without answers (handed
 off), one last commit cycle commits ``p`` up to its lowest unanswered offset, and ``p``'s
@@ -20,8 +21,13 @@ Whoever gets ``p`` then — this instance included — takes it over as above. W
 rebalance a fence that no new owner caused (a transaction the broker timed out) would leave
 ``p`` assigned here and never read again.
 
+Text prompts are tokenized on worker threads (``limits.tokenizer_threads``), never on the event
+loop, after the character limit is checked; while one is tokenized its offset is in flight like
+any running request's.
+
 Backpressure: all request partitions are paused while the requests waiting here (read, not yet
-running) reach ``limits.max_waiting_requests``, and resumed once they fall to the resume mark.
+running) reach ``limits.max_waiting_requests``, or the texts waiting for tokenization reach
+``limits.max_pending_tokenizations``, and resumed once they fall to their resume marks.
 Records already fetched when the pause starts are still queued, so the mark can be overshot by
 up to ``max_poll_records``.
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -50,13 +57,17 @@ from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import PartitionLedger, decode_metadata
 from kvgate.admission_service.outbox import Outbox
 from kvgate.admission_service.settings import IsolationLevel, ServiceSettings
-from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.tokenizer import TextCodec, TokenizerThreads
 from kvgate.admission_service.validation import (
     Accepted,
+    NeedsTokens,
+    RawRecord,
     Rejection,
+    check_request,
+    complete_text,
     validate_abort,
-    validate_request,
 )
+from kvgate.protocol.records import RejectCode
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +120,18 @@ class Intake:
         self.engine = engine
         self.outbox = outbox
         self.metrics = metrics
-        self._tokenizer = tokenizer
+        self._tokenizer = (
+            None
+            if tokenizer is None
+            else TokenizerThreads(tokenizer, settings.limits.tokenizer_threads)
+        )
+        self._tokenizing: set[asyncio.Task[None]] = set()
         self.paused = False
         self.assigned_once = asyncio.Event()
         self._fetching = True
         self._stopped = asyncio.Event()
         self._positions: dict[int, int] = {}  # partition -> next offset to read
+        self._first_read: dict[int, int] = {}  # partition -> first offset read since assignment
 
     def subscribe(self) -> None:
         self.consumer.subscribe([self.settings.kafka.request_topic], listener=_Rebalance(self))
@@ -168,16 +185,22 @@ class Intake:
         )
         await self.outbox.open_partition(tp.partition)
         committed, metadata = await committed_offset(self.consumer, tp)
-        answered, end = await scan_answered(
+        window_s = self.settings.limits.idempotency_window_s
+        scan = await scan_answered(
             kafka,
             partition=tp.partition,
             results_from=decode_metadata(metadata),
             committed=committed,
             read_committed=read_committed,
+            ids_since_s=time.time() - window_s,
         )
+        answered = scan.answered
+        self.engine.answered.add_all(scan.ids)
         self.outbox.track(
-            tp.partition, PartitionLedger(committed=committed, answered=answered, results_end=end)
+            tp.partition,
+            PartitionLedger(committed=committed, answered=answered, results_end=scan.end),
         )
+        self._first_read.pop(tp.partition, None)
         if committed is not None:
             self.consumer.seek(tp, committed)
         log.info(
@@ -208,24 +231,63 @@ class Intake:
         self.metrics.received.inc(len(messages))
         if messages:
             self._positions[partition] = messages[-1].offset + 1
+            self._first_read.setdefault(partition, messages[0].offset)
         for message in messages:
             record = raw_record(message)
             if outbox.read(partition, record.offset):
                 continue  # answered before (by a previous owner), or not ours (fenced)
-            verdict = validate_request(record, limits, self._tokenizer)
+            verdict = check_request(record, limits, has_tokenizer=self._tokenizer is not None)
             if isinstance(verdict, Accepted):
                 engine.submit(record, verdict)
+            elif isinstance(verdict, NeedsTokens):
+                self._tokenize(record, verdict)
             else:
                 engine.reject(record, verdict)
+
+    def _tokenize(self, record: RawRecord, pending: NeedsTokens) -> None:
+        """Tokenize off the loop; the request continues from there unless its partition left
+        this instance meanwhile (then its next owner reads it again)."""
+        ledger = self.outbox.ledgers.get(record.partition)
+        task = asyncio.create_task(self._tokenized(record, pending, ledger))
+        self._tokenizing.add(task)
+        task.add_done_callback(self._tokenizing.discard)
+
+    async def _tokenized(
+        self, record: RawRecord, pending: NeedsTokens, ledger: PartitionLedger | None
+    ) -> None:
+        assert self._tokenizer is not None
+        try:
+            token_ids = await self._tokenizer.encode(pending.text)
+        except Exception as exc:  # a tokenizer error is about this prompt, never fatal
+            verdict: Accepted | Rejection = Rejection(
+                RejectCode.SCHEMA,
+                f"the prompt text cannot be tokenized: {exc}",
+                pending.request.request_id,
+            )
+        else:
+            verdict = complete_text(pending, token_ids, self.settings.limits)
+        if self.outbox.ledgers.get(record.partition) is not ledger:
+            return  # revoked or fenced while it was tokenized: handed off
+        if isinstance(verdict, Accepted):
+            self.engine.submit(record, verdict)
+        else:
+            self.engine.reject(record, verdict)
 
     def _backpressure(self) -> None:
         waiting = self.engine.num_waiting
         limits = self.settings.limits
-        if not self.paused and waiting >= limits.max_waiting_requests:
+        texts = len(self._tokenizing)
+        if not self.paused and (
+            waiting >= limits.max_waiting_requests or texts >= limits.max_pending_tokenizations
+        ):
             self.paused = True
             self.consumer.pause(*self.consumer.assignment())
             log.info("pausing intake: %d requests waiting", waiting)
-        elif self.paused and waiting <= limits.resume_mark:
+        elif (
+            self.paused
+            and waiting <= limits.resume_mark
+            and texts < limits.max_pending_tokenizations // 2 + 1
+        ):
             self.paused = False
             self.consumer.resume(*self.consumer.assignment())
             log.info("resuming intake: %d requests waiting", waiting)
@@ -235,15 +297,24 @@ class Intake:
         self._fetching = False
         self.consumer.pause(*self.consumer.assignment())
         await self._stopped.wait()
+        # Texts being tokenized become requests (or rejections) before the grace period.
+        await asyncio.gather(*self._tokenizing, return_exceptions=True)
+        if self._tokenizer is not None:
+            self._tokenizer.close()
 
     def lag(self) -> dict[int, int]:
-        """Records behind the end of each assigned partition (as of the last fetch)."""
+        """Records of each assigned partition not yet committed: from the committed offset
+        (before the first commit, the first offset read) to the end as of the last fetch. Work
+        read but not durably answered counts, so a partition whose commits fail shows."""
         lags = {}
         for tp in self.consumer.assignment():
             end = self.consumer.highwater(tp)
-            position = self._positions.get(tp.partition)
-            if end is not None and position is not None:
-                lags[tp.partition] = max(0, end - position)
+            ledger = self.outbox.ledgers.get(tp.partition)
+            committed = None if ledger is None else ledger.committed
+            if committed is None:
+                committed = self._first_read.get(tp.partition, self._positions.get(tp.partition))
+            if end is not None and committed is not None:
+                lags[tp.partition] = max(0, end - committed)
         return lags
 
 

@@ -12,11 +12,13 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import ConsumerRecord
 
@@ -76,12 +78,49 @@ async def _partition_counts(admin: AIOKafkaAdminClient, topics: list[str]) -> di
     return counts
 
 
-async def ensure_topics(settings: KafkaSettings) -> int:
-    """Create missing topics (when allowed) and check co-partitioning; returns the number of
-    request partitions.
+MAX_MESSAGE_BYTES: Final = "max.message.bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class TopicLimits:
+    """What the topics were found to be at start-up: request partitions, and the largest
+    record batch (``max.message.bytes``) the request and dead-letter topics accept (None when
+    the broker does not say: then only the producer's own limit is known)."""
+
+    request_partitions: int
+    request_max_bytes: int | None
+    dlq_max_bytes: int | None
+
+
+async def _max_message_bytes(admin: AIOKafkaAdminClient, topics: list[str]) -> dict[str, int]:
+    """``max.message.bytes`` of each topic, as far as the broker describes them."""
+    resources = [
+        ConfigResource(ConfigResourceType.TOPIC, t, {MAX_MESSAGE_BYTES: None}) for t in topics
+    ]
+    try:
+        responses = await admin.describe_configs(resources)
+    except (KafkaError, ValueError, IndexError, TypeError) as exc:
+        log.warning("the broker does not describe topic configs (%r)", exc)
+        return {}
+    found: dict[str, int] = {}
+    for response in responses:
+        for error_code, _message, _kind, name, entries in (r[:5] for r in response.resources):
+            if error_code != 0:
+                continue
+            for entry in entries:
+                if entry[0] == MAX_MESSAGE_BYTES and str(entry[1]).isdigit():
+                    found[name] = int(entry[1])
+    return found
+
+
+async def ensure_topics(settings: KafkaSettings) -> TopicLimits:
+    """Create missing topics (when allowed), check co-partitioning, and read the record size
+    limits of the request and dead-letter topics.
 
     Results (and tokens) must have at least as many partitions as requests: the result of a
-    request read from partition ``p`` is written to partition ``p``.
+    request read from partition ``p`` is written to partition ``p``. A dead-letter topic
+    created here accepts records as large as the request topic does, so that an oversized
+    request's dead letter keeps its original bytes whenever the producer can send them.
     """
     admin = AIOKafkaAdminClient(**client_options(settings))
     await admin.start()
@@ -95,11 +134,20 @@ async def ensure_topics(settings: KafkaSettings) -> int:
         if missing and not settings.create_topics:
             raise KafkaSetupError(f"topics {missing} do not exist and kafka.create_topics is false")
         requests = counts.get(settings.request_topic, settings.partitions)
+        if settings.request_topic in missing:
+            await _create(admin, settings, [settings.request_topic], requests, {})
+            counts = await _wait_for_topics(admin, [settings.request_topic])
+            missing.remove(settings.request_topic)
+        request_limit = (await _max_message_bytes(admin, [settings.request_topic])).get(
+            settings.request_topic
+        )
         if missing:
-            new = [NewTopic(topic, requests, settings.replication_factor) for topic in missing]
-            with contextlib.suppress(TopicAlreadyExistsError):  # another instance was first
-                await admin.create_topics(new)
-            log.info("created topics %s with %d partitions", missing, requests)
+            dlq_config = {} if request_limit is None else {MAX_MESSAGE_BYTES: str(request_limit)}
+            others = [t for t in missing if t != settings.dlq_topic]
+            if settings.dlq_topic in missing:
+                await _create(admin, settings, [settings.dlq_topic], requests, dlq_config)
+            if others:
+                await _create(admin, settings, others, requests, {})
             counts = await _wait_for_topics(admin, wanted)
         requests = counts[settings.request_topic]
         for topic in (settings.result_topic, settings.token_topic):
@@ -109,9 +157,51 @@ async def ensure_topics(settings: KafkaSettings) -> int:
                     f"has {requests}: results are written to the request's partition, so it "
                     "needs at least as many"
                 )
-        return requests
+        dlq_limit = (await _max_message_bytes(admin, [settings.dlq_topic])).get(settings.dlq_topic)
+        if request_limit is not None and dlq_limit is not None and dlq_limit < request_limit:
+            log.warning(
+                "%s accepts records of up to %d bytes but %s only %d: larger dead letters are "
+                "truncated (their size, hash and source offset are kept)",
+                settings.request_topic,
+                request_limit,
+                settings.dlq_topic,
+                dlq_limit,
+            )
+        return TopicLimits(requests, request_limit, dlq_limit)
     finally:
         await admin.close()
+
+
+_TOPIC_ALREADY_EXISTS: Final = 36
+
+
+async def _create(
+    admin: AIOKafkaAdminClient,
+    settings: KafkaSettings,
+    topics: list[str],
+    partitions: int,
+    config: dict[str, str],
+) -> None:
+    """Create ``topics`` (one already there counts as created: another instance was first).
+    A broker that refuses ``config`` gets the topics with its defaults (and a warning)."""
+    new = [
+        NewTopic(topic, partitions, settings.replication_factor, topic_configs=config)
+        for topic in topics
+    ]
+    response = await admin.create_topics(new)
+    # aiokafka returns per-topic error codes instead of raising.
+    errors = [(t, code, rest) for t, code, *rest in response.topic_errors]
+    refused = [
+        (t, code, rest) for t, code, rest in errors if code not in (0, _TOPIC_ALREADY_EXISTS)
+    ]
+    if refused and config:
+        log.warning(
+            "creating %s with %s failed (%s); using the broker's defaults", topics, config, refused
+        )
+        await _create(admin, settings, [t for t, _, _ in refused], partitions, {})
+    elif refused:
+        raise KafkaSetupError(f"creating topics failed: {refused}")
+    log.info("created topics %s with %d partitions %s", topics, partitions, config or "")
 
 
 async def _wait_for_topics(
@@ -180,6 +270,32 @@ async def committed_offset(
     return (None if offset is None or offset < 0 else int(offset)), None
 
 
+@dataclass(frozen=True, slots=True)
+class AnsweredScan:
+    """What a results partition says at assignment (see :func:`scan_answered`)."""
+
+    answered: dict[int, int]  # request offset -> results offset, for requests >= committed
+    end: int | None  # where the scan ended (None: it gave up)
+    ids: list[tuple[str, float]]  # (request id, wall-clock seconds) answered since ids_since
+
+
+async def _window_start(
+    consumer: AIOKafkaConsumer, tp: TopicPartition, since_ms: int
+) -> int | None:
+    """The first results offset written at or after ``since_ms`` (the end when none is);
+    None when the broker cannot say (Tansu: then the caller reads from its own start)."""
+    try:
+        found = await consumer.offsets_for_times({tp: since_ms})
+    except (KafkaError, ValueError, TypeError) as exc:
+        log.warning("%s: the broker cannot look offsets up by time (%r)", tp, exc)
+        return None
+    entry = found.get(tp)
+    if entry is not None:
+        return int(entry.offset)
+    ends = await consumer.end_offsets([tp])
+    return int(ends[tp])
+
+
 async def scan_answered(
     settings: KafkaSettings,
     *,
@@ -187,10 +303,12 @@ async def scan_answered(
     results_from: int | None,
     committed: int | None,
     read_committed: bool,
-) -> tuple[dict[int, int], int | None]:
-    """Read results partition ``partition`` from ``results_from`` (its start when None) to its
-    end; returns (request offset -> results offset) for answers to requests at or above
-    ``committed``, and the end position reached (None if the scan gave up).
+    ids_since_s: float | None = None,
+) -> AnsweredScan:
+    """Read results partition ``partition`` to its end, from the earlier of ``results_from``
+    (its start when None) and the first result written since ``ids_since_s``; returns the
+    answers to requests at or above ``committed`` (request offset -> results offset), the end
+    position reached (None if the scan gave up), and the ids answered since ``ids_since_s``.
 
     The end is the last stable offset (transactions) or high watermark as the broker reports
     them with each fetch — both correct on brokers whose ``end_offsets`` are not (Tansu).
@@ -205,12 +323,18 @@ async def scan_answered(
     )
     await consumer.start()
     answered: dict[int, int] = {}
+    ids: list[tuple[str, float]] = []
+    since_ms = None if ids_since_s is None else int(ids_since_s * 1000)
     try:
         consumer.assign([tp])
-        if results_from is None:
+        start = results_from
+        if start is not None and since_ms is not None:
+            window = await _window_start(consumer, tp, since_ms)
+            start = None if window is None else min(start, window)
+        if start is None:
             await consumer.seek_to_beginning(tp)
         else:
-            consumer.seek(tp, results_from)
+            consumer.seek(tp, start)
         deadline = time.monotonic() + settings.skip_scan_timeout_s
         while True:
             batch = await consumer.getmany(tp, timeout_ms=200, max_records=5000)
@@ -218,10 +342,13 @@ async def scan_answered(
                 found = _answered_offset(message.value, settings.request_topic, partition)
                 if found is not None and (committed is None or found >= committed):
                     answered[found] = message.offset
+                if since_ms is not None and message.timestamp >= since_ms and message.key:
+                    with contextlib.suppress(UnicodeDecodeError):
+                        ids.append((message.key.decode("utf-8"), message.timestamp / 1000))
             end = consumer.last_stable_offset(tp) if read_committed else consumer.highwater(tp)
             position = await consumer.position(tp)
             if end is not None and position >= end and not batch:
-                return answered, position
+                return AnsweredScan(answered, position, ids)
             if time.monotonic() > deadline:
                 log.error(
                     "reading %s for answered requests gave up after %.0f s at offset %d",
@@ -229,7 +356,7 @@ async def scan_answered(
                     settings.skip_scan_timeout_s,
                     position,
                 )
-                return answered, None
+                return AnsweredScan(answered, None, ids)
     finally:
         await consumer.stop()
 

@@ -13,7 +13,7 @@ all of them are zero; a request, block or snapshot left behind on either side sh
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -41,10 +41,12 @@ class StateSnapshot:
 
     unplaced: int  # read but not on any executor yet
     executors: list[ExecutorGauge]
-    consumer_lag: dict[int, int]  # request partition -> records behind the end
+    consumer_lag: dict[int, int]  # request partition -> records between committed and end
     paused: bool
-    in_flight: int = 0  # read and not answered yet (waiting, running or unplaced)
+    in_flight: int = 0  # read and not answered durably yet (running, waiting, or unwritten)
     kafka_reachable: bool = True  # the last health check of Kafka succeeded
+    unwritten: dict[int, int] = field(default_factory=dict)  # partition -> answers not durable
+    stalled_s: dict[int, float] = field(default_factory=dict)  # partition -> commits failing for
 
 
 class _StateCollector(Collector):
@@ -114,8 +116,22 @@ class _StateCollector(Collector):
             "kvgate_admission_kafka_reachable", "1 while the last Kafka health check succeeded"
         )
         kafka.add_metric([], 1 if snapshot.kafka_reachable else 0)
+        unwritten = GaugeMetricFamily(
+            "kvgate_admission_unwritten_answers",
+            "answers made and not yet durable in Kafka",
+            labels=["partition"],
+        )
+        for partition, count in sorted(snapshot.unwritten.items()):
+            unwritten.add_metric([str(partition)], count)
+        stalled = GaugeMetricFamily(
+            "kvgate_admission_commit_stalled_seconds",
+            "how long the partition's commit cycles have been failing (0 while they succeed)",
+            labels=["partition"],
+        )
+        for partition in sorted(snapshot.unwritten.keys() | snapshot.stalled_s.keys()):
+            stalled.add_metric([str(partition)], snapshot.stalled_s.get(partition, 0.0))
         yield from (queue, waiting, running, used, total, state, lag, paused)
-        yield from (host, *held.values(), in_flight, kafka)
+        yield from (host, *held.values(), in_flight, kafka, unwritten, stalled)
 
 
 class ServiceMetrics:
@@ -156,6 +172,11 @@ class ServiceMetrics:
         )
         self.aborts = Counter("kvgate_admission_aborts", "abort messages read", registry=r)
         self.commits = Counter("kvgate_admission_commits", "commit cycles", ["outcome"], registry=r)
+        self.truncated_dead_letters = Counter(
+            "kvgate_admission_truncated_dead_letters",
+            "dead letters too large for the dead-letter topic, written as a truncated copy",
+            registry=r,
+        )
         self.kafka_outages = Counter(
             "kvgate_admission_kafka_outages", "times Kafka stopped answering health checks",
             registry=r,

@@ -42,14 +42,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, ProducerFenced
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    ProducerFenced,
+    RecordTooLargeError,
+)
 from aiokafka.structs import OffsetAndMetadata, RecordMetadata
 
+from kvgate.admission_service.dead_letters import MIN_DEAD_LETTER_BYTES, dead_letter_copy
 from kvgate.admission_service.faults import BEFORE_COMMIT, CrashPoints
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import CommitPoint, PartitionLedger
 from kvgate.admission_service.settings import KafkaSettings
@@ -65,6 +73,8 @@ from kvgate.protocol.records import (
 log = logging.getLogger(__name__)
 
 _FLUSH_SOON_RECORDS = 1000
+# Errors no retry can cure: the record itself is refused (by the producer or the broker).
+_REFUSED_RECORD = (MessageSizeTooLargeError, RecordTooLargeError)
 CommitOffsets = Callable[[dict[TopicPartition, OffsetAndMetadata]], Awaitable[None]]
 ProducerFactory = Callable[[str | None], AIOKafkaProducer]
 
@@ -80,15 +90,38 @@ class OutRecord:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]]
+    letter: DeadLetter | None = None  # on a dead letter: what its headers say
 
 
 @dataclass(slots=True)
-class _Pending:
-    records: list[OutRecord] = field(default_factory=list)
-    finals: list[tuple[int, int | None]] = field(default_factory=list)  # (offset, record index)
+class _Entry:
+    """What one request offset (``offset``; None for a token chunk) still has to write."""
 
-    def __bool__(self) -> bool:
-        return bool(self.records or self.finals)
+    offset: int | None
+    records: list[OutRecord]
+    result_topic: str
+    results_offset: int | None = None  # where its result landed, once written
+
+    def written(self, record: OutRecord, sent: RecordMetadata) -> None:
+        self.records.remove(record)
+        if record.topic == self.result_topic:
+            self.results_offset = int(sent.offset)
+
+
+@dataclass(slots=True)
+class _Stall:
+    """A partition whose commit cycles fail: since when, and the last error."""
+
+    since: float
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class StuckPartition:
+    partition: int
+    stalled_s: float
+    unwritten: int  # answers made here and not yet durable
+    error: str
 
 
 class Outbox:
@@ -102,24 +135,31 @@ class Outbox:
         producer_factory: ProducerFactory,
         commit_offsets: CommitOffsets,
         metrics: ServiceMetrics,
+        dead_letter_max_bytes: int = 1 << 20,
+        answered: AnsweredIds | None = None,
         crash_points: CrashPoints | None = None,
         on_fenced: Callable[[int], None] = _ignore_fencing,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.transactional = transactional
+        self.dead_letter_max_bytes = dead_letter_max_bytes
+        self._answered = answered
         self._on_fenced = on_fenced
         self._crash = crash_points or CrashPoints({})
         self._new_producer = producer_factory
         self._commit_offsets = commit_offsets
         self.metrics = metrics
+        self._clock = clock
         self.ledgers: dict[int, PartitionLedger] = {}
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, list[_Entry]] = {}
+        self._stalls: dict[int, _Stall] = {}
         self._producers: dict[int, AIOKafkaProducer] = {}  # per partition (transactional)
         self._shared: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
         self._soon = asyncio.Event()
         self._stopping = False
-        self._num_pending = 0
+        self._num_pending = 0  # records
 
     # ----------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -146,14 +186,25 @@ class Outbox:
     def track(self, partition: int, ledger: PartitionLedger) -> None:
         self.ledgers[partition] = ledger
 
-    async def close_partition(self, partition: int) -> None:
-        """On revocation: one last commit cycle for it, then forget it."""
+    async def close_partition(self, partition: int) -> int:
+        """On revocation (and at shutdown): one last commit cycle for it, then forget it.
+        Returns how many answers made here could not be written (their requests run again
+        on the partition's next owner)."""
         async with self._lock:
             if partition in self.ledgers:
                 await self._cycle(partition)
             self.ledgers.pop(partition, None)
+            unwritten = self._unwritten(partition)
             self._drop_pending(partition)
+            self._stalls.pop(partition, None)
             await self._stop_producer(partition)
+        if unwritten:
+            log.error(
+                "partition %d: %d answers could not be written; their requests will run again",
+                partition,
+                unwritten,
+            )
+        return unwritten
 
     def _transactional_id(self, partition: int) -> str:
         return f"{self.settings.transactional_prefix}.{self.settings.request_topic}.{partition}"
@@ -163,6 +214,39 @@ class Outbox:
         if producer is not None:
             with contextlib.suppress(KafkaError):
                 await producer.stop()
+
+    # ------------------------------------------------------------------------- health
+    def _unwritten(self, partition: int) -> int:
+        return sum(1 for e in self._pending.get(partition, ()) if e.offset is not None)
+
+    @property
+    def num_unwritten(self) -> int:
+        """Answers made and not yet durable, over all partitions."""
+        return sum(self._unwritten(p) for p in self._pending)
+
+    def unwritten_by_partition(self) -> dict[int, int]:
+        return {p: self._unwritten(p) for p in self.ledgers}
+
+    def stuck(self) -> list[StuckPartition]:
+        """Partitions whose commit cycles have failed since some time (none while healthy)."""
+        now = self._clock()
+        return [
+            StuckPartition(p, now - stall.since, self._unwritten(p), stall.error)
+            for p, stall in sorted(self._stalls.items())
+        ]
+
+    def _failed(self, partitions: list[int], error: BaseException) -> None:
+        self.metrics.commits.labels(outcome="failed").inc()
+        for partition in partitions:
+            stall = self._stalls.get(partition)
+            if stall is None:
+                self._stalls[partition] = _Stall(self._clock(), repr(error))
+            else:
+                stall.error = repr(error)
+
+    def _succeeded(self, partitions: list[int]) -> None:
+        for partition in partitions:
+            self._stalls.pop(partition, None)
 
     # ------------------------------------------------------------------ outcome sink
     def read(self, partition: int, offset: int) -> bool:
@@ -181,7 +265,7 @@ class Outbox:
             result.model_dump_json(exclude_none=True).encode(),
             headers,
         )
-        self._add(result.source, [record], result_index=0)
+        self._add(result.source, [record])
 
     def reject(
         self, record: RawRecord, rejection: Rejection, result: InferenceResult | None
@@ -194,15 +278,7 @@ class Outbox:
             offset=record.offset,
             timestamp_ms=record.timestamp_ms,
         )
-        out = [
-            OutRecord(
-                self.settings.dlq_topic,
-                None,
-                record.key,
-                record.value,
-                [*record.headers, *letter.headers()],
-            )
-        ]
+        out = [self._dead_letter(record.key, record.value, list(record.headers), letter)]
         if result is not None:
             out.append(
                 OutRecord(
@@ -215,7 +291,31 @@ class Outbox:
             )
         self.metrics.dead_letters.inc()
         source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
-        self._add(source, out, result_index=1 if result is not None else None)
+        self._add(source, out)
+
+    def _dead_letter(
+        self,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes]],
+        letter: DeadLetter,
+        max_bytes: int | None = None,
+    ) -> OutRecord:
+        copy = dead_letter_copy(
+            key, value, headers, letter, max_bytes=max_bytes or self.dead_letter_max_bytes
+        )
+        if copy.truncated:
+            self.metrics.truncated_dead_letters.inc()
+            log.warning(
+                "the dead letter of %s/%d/%d is truncated: the original has %d bytes",
+                letter.topic,
+                letter.partition,
+                letter.offset,
+                len(value or b""),
+            )
+        return OutRecord(
+            self.settings.dlq_topic, None, copy.key, copy.value, copy.headers, copy.letter
+        )
 
     def token(self, source: SourceRef, chunk: TokenChunk) -> None:
         topic = self.settings.token_topic
@@ -224,18 +324,17 @@ class Outbox:
         record = OutRecord(
             topic, source.partition, chunk.request_id.encode(), chunk.model_dump_json().encode(), []
         )
-        self._pending.setdefault(source.partition, _Pending()).records.append(record)
+        entry = _Entry(None, [record], self.settings.result_topic)
+        self._pending.setdefault(source.partition, []).append(entry)
         self._count(1)
 
-    def _add(self, source: SourceRef, records: list[OutRecord], result_index: int | None) -> None:
+    def _add(self, source: SourceRef, records: list[OutRecord]) -> None:
+        entry = _Entry(source.offset, records, self.settings.result_topic)
         if source.partition not in self.ledgers:
             log.debug("dropping an answer for revoked partition %d", source.partition)
+            self._discarded([entry])
             return
-        pending = self._pending.setdefault(source.partition, _Pending())
-        base = len(pending.records)
-        pending.records.extend(records)
-        index = None if result_index is None else base + result_index
-        pending.finals.append((source.offset, index))
+        self._pending.setdefault(source.partition, []).append(entry)
         self._count(len(records))
 
     def _count(self, records: int) -> None:
@@ -244,9 +343,21 @@ class Outbox:
             self._soon.set()
 
     def _drop_pending(self, partition: int) -> None:
-        dropped = self._pending.pop(partition, None)
-        if dropped is not None:
-            self._num_pending -= len(dropped.records)
+        entries = self._pending.pop(partition, [])
+        self._num_pending -= sum(len(e.records) for e in entries)
+        self._discarded(entries)
+
+    def _discarded(self, entries: list[_Entry]) -> None:
+        """Answers dropped before they were durable: their requests run again (elsewhere or
+        here), so their ids are not answered (see idempotency.py)."""
+        if self._answered is None:
+            return
+        self._answered.forget(
+            r.key.decode()
+            for e in entries
+            for r in e.records
+            if r.topic == e.result_topic and r.key is not None
+        )
 
     # ------------------------------------------------------------------- commit cycles
     async def run(self) -> None:
@@ -279,48 +390,73 @@ class Outbox:
 
     async def _send(
         self, producer: AIOKafkaProducer, records: list[OutRecord]
-    ) -> list[RecordMetadata]:
-        futures = [
-            await producer.send(
-                r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers
-            )
-            for r in records
-        ]
+    ) -> list[RecordMetadata | BaseException]:
+        """Send every record; each one's outcome, in order (one refused record fails alone:
+        the others are still sent, and nothing that was written is sent again)."""
+        futures: list[asyncio.Future[RecordMetadata] | BaseException] = []
+        for r in records:
+            try:
+                future = await producer.send(
+                    r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers
+                )
+            except KafkaError as exc:  # refused before it was queued (e.g. its size)
+                futures.append(exc)
+            else:
+                futures.append(future)
+        waiting = [f for f in futures if isinstance(f, asyncio.Future)]
         # Every outcome is collected (a failed batch fails many futures; none may go unread).
-        outcomes = await asyncio.gather(*futures, return_exceptions=True)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return list(outcomes)
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return [
+            f if isinstance(f, BaseException) else (f.exception() or f.result()) for f in futures
+        ]
 
-    @staticmethod
-    def _finals(pending: _Pending, sent: list[RecordMetadata]) -> dict[int, int | None]:
-        return {
-            offset: (None if index is None else int(sent[index].offset))
-            for offset, index in pending.finals
-        }
+    def _replace_refused(
+        self, entries: list[_Entry], outcomes: dict[int, RecordMetadata | BaseException]
+    ) -> None:
+        """A dead letter the broker or producer refused (its topic allows less than measured
+        at start-up) is replaced by its smallest form, so that the retry cannot fail the same
+        way; any other refused record is retried as it is (and the partition shows as stuck)."""
+        for entry in entries:
+            for i, record in enumerate(entry.records):
+                outcome = outcomes.get(id(record))
+                if not isinstance(outcome, _REFUSED_RECORD) or record.letter is None:
+                    continue
+                log.error("the dead-letter topic refused a dead letter (%r); shrinking it", outcome)
+                entry.records[i] = self._smallest(record, record.letter)
+
+    def _smallest(self, record: OutRecord, letter: DeadLetter) -> OutRecord:
+        if letter.truncated:  # its value is a prefix already: keep a shorter one, headers only
+            value = (record.value or b"")[: MIN_DEAD_LETTER_BYTES // 4]
+            return replace(record, key=None, value=value, headers=letter.headers())
+        return self._dead_letter(record.key, record.value, [], letter, MIN_DEAD_LETTER_BYTES)
 
     async def _transaction(self, partition: int) -> None:
         ledger = self.ledgers.get(partition)
         producer = self._producers.get(partition)
         if ledger is None or producer is None:
             return
-        pending = self._pending.pop(partition, _Pending())
-        if not pending and ledger.commit_point() is None:
+        entries = self._pending.pop(partition, [])
+        if not entries and ledger.commit_point() is None:
             return
+        records = [r for entry in entries for r in entry.records]
+        outcomes: dict[int, RecordMetadata | BaseException] = {}
         began = False
         try:
             await producer.begin_transaction()
             began = True
-            sent = await self._send(producer, pending.records)
-            finals = self._finals(pending, sent)
+            sent = await self._send(producer, records)
+            outcomes = {id(r): o for r, o in zip(records, sent, strict=True)}
+            for outcome in sent:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            finals = self._finals(entries, outcomes)
             point = ledger.commit_point(finals)
             if point is not None:
                 tp = TopicPartition(self.settings.request_topic, partition)
                 await producer.send_offsets_to_transaction(
                     {tp: (point.offset, point.metadata)}, self.settings.group_id
                 )
-            if pending.finals:
+            if finals:
                 self._crash.reached(BEFORE_COMMIT)
             await producer.commit_transaction()
         except ProducerFenced:
@@ -331,16 +467,21 @@ class Outbox:
             )
             self.metrics.commits.labels(outcome="fenced").inc()
             self.ledgers.pop(partition, None)
-            self._num_pending -= len(pending.records)
+            self._stalls.pop(partition, None)
+            self._num_pending -= len(records)
+            self._discarded(entries)
             await self._stop_producer(partition)
             self._on_fenced(partition)
             return
         except KafkaError as exc:
+            # Aborted: nothing of it is visible, so everything is sent again (refused dead
+            # letters in their smallest form).
             log.warning("partition %d: transaction failed (%r); retrying", partition, exc)
-            self.metrics.commits.labels(outcome="failed").inc()
+            self._failed([partition], exc)
             with contextlib.suppress(KafkaError):
                 await producer.abort_transaction()
-            self._restore(partition, pending)
+            self._replace_refused(entries, outcomes)
+            self._restore(partition, entries)
             return
         except BaseException:
             # Cancelled (or a bug) mid-transaction: leave no transaction open behind us, and
@@ -348,43 +489,74 @@ class Outbox:
             if began:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(producer.abort_transaction())
-            self._restore(partition, pending)
+            self._restore(partition, entries)
             raise
-        self._num_pending -= len(pending.records)
+        self._num_pending -= len(records)
         ledger.finalize(finals)
         if point is not None:
             ledger.committed_at(point)
+        self._succeeded([partition])
         self.metrics.commits.labels(outcome="committed").inc()
 
+    @staticmethod
+    def _finals(
+        entries: list[_Entry], outcomes: dict[int, RecordMetadata | BaseException]
+    ) -> dict[int, int | None]:
+        """Offsets made final by ``outcomes`` (all of their records written): offset -> the
+        results offset of its answer (None when it wrote no result)."""
+        finals: dict[int, int | None] = {}
+        for entry in entries:
+            if entry.offset is None:
+                continue
+            results_offset = entry.results_offset
+            complete = True
+            for record in entry.records:
+                outcome = outcomes.get(id(record))
+                if outcome is None or isinstance(outcome, BaseException):
+                    complete = False
+                elif record.topic == entry.result_topic:
+                    results_offset = int(outcome.offset)
+            if complete:
+                finals[entry.offset] = results_offset
+        return finals
+
     async def _plain_cycle(self, partitions: list[int]) -> None:
+        """Send what is pending; what was acknowledged is done (never sent again), what failed
+        is kept for the next cycle; commit up to the lowest offset not final."""
         producer = self._shared
         assert producer is not None
-        taken = {p: self._pending.pop(p, _Pending()) for p in partitions if p in self.ledgers}
-        records = [r for pending in taken.values() for r in pending.records]
-        try:
-            sent = await self._send(producer, records)
-        except KafkaError as exc:
-            log.warning("sending answers failed (%r); retrying", exc)
-            self.metrics.commits.labels(outcome="failed").inc()
-            for partition, pending in taken.items():
-                self._restore(partition, pending)
-            return
-        self._num_pending -= len(records)
+        taken = {p: self._pending.pop(p, []) for p in partitions if p in self.ledgers}
+        records = [r for entries in taken.values() for e in entries for r in e.records]
+        sent = await self._send(producer, records)
+        outcomes = {id(r): o for r, o in zip(records, sent, strict=True)}
+        failed = [o for o in sent if isinstance(o, BaseException)]
         points: dict[int, CommitPoint] = {}
-        start = 0
-        for partition, pending in taken.items():
-            chunk = sent[start : start + len(pending.records)]
-            start += len(pending.records)
+        failing: list[int] = []
+        for partition, entries in taken.items():
+            finals = self._finals(entries, outcomes)
+            self._replace_refused(entries, outcomes)
+            left = self._keep_unwritten(entries, outcomes)
+            if left:
+                failing.append(partition)
+                self._restore(partition, left)
             ledger = self.ledgers.get(partition)
             if ledger is None:
                 continue
-            ledger.finalize(self._finals(pending, chunk))
+            ledger.finalize(finals)
             point = ledger.commit_point()
             if point is not None:
                 points[partition] = point
+        if failed:
+            log.warning(
+                "%d of %d records could not be written (%r); the next cycle retries them",
+                len(failed),
+                len(records),
+                failed[0],
+            )
+            self._failed(failing, failed[0])
         if not points:
             return
-        if any(pending.finals for pending in taken.values()):
+        if any(e.offset is not None for entries in taken.values() for e in entries):
             self._crash.reached(BEFORE_COMMIT)
         offsets = {
             TopicPartition(self.settings.request_topic, p): OffsetAndMetadata(
@@ -396,23 +568,34 @@ class Outbox:
             await self._commit_offsets(offsets)
         except KafkaError as exc:
             log.warning("committing offsets failed (%r); the next cycle retries", exc)
-            self.metrics.commits.labels(outcome="failed").inc()
+            self._failed(list(points), exc)
             return
         for partition, point in points.items():
             ledger = self.ledgers.get(partition)
             if ledger is not None:
                 ledger.committed_at(point)
+        self._succeeded([p for p in taken if p not in failing])
         self.metrics.commits.labels(outcome="committed").inc()
 
-    def _restore(self, partition: int, pending: _Pending) -> None:
-        """Put back what a failed cycle took (before anything newer for the partition)."""
+    def _keep_unwritten(
+        self, entries: list[_Entry], outcomes: dict[int, RecordMetadata | BaseException]
+    ) -> list[_Entry]:
+        """Drop every acknowledged record from ``entries``; the entries with records left."""
+        left = []
+        for entry in entries:
+            for record in list(entry.records):
+                outcome = outcomes.get(id(record))
+                if outcome is not None and not isinstance(outcome, BaseException):
+                    entry.written(record, outcome)
+                    self._num_pending -= 1
+            if entry.records:
+                left.append(entry)
+        return left
+
+    def _restore(self, partition: int, entries: list[_Entry]) -> None:
+        """Put back what a cycle could not finish (before anything newer for the partition)."""
         if partition not in self.ledgers:
-            self._num_pending -= len(pending.records)
+            self._num_pending -= sum(len(e.records) for e in entries)
+            self._discarded(entries)
             return
-        newer = self._pending.get(partition)
-        if newer is not None:
-            pending.finals.extend(
-                (o, None if i is None else i + len(pending.records)) for o, i in newer.finals
-            )
-            pending.records.extend(newer.records)
-        self._pending[partition] = pending
+        self._pending[partition] = entries + self._pending.get(partition, [])

@@ -12,7 +12,9 @@ Shutdown (SIGTERM):
 3. what is left is handed off: cancelled here without an answer, so its offset stays
    uncommitted and the next owner runs it;
 4. a last commit cycle per partition commits everything answered, up to the lowest handed-off
-   offset; producers stop; the consumer leaves the group; exit 0.
+   offset; producers stop; the consumer leaves the group; exit 0 — or exit 1 when answers made
+   here could not be written (logged with their count; the requests run again on the
+   partitions' next owners).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -30,13 +32,21 @@ from aiokafka import AIOKafkaProducer
 from opentelemetry import trace
 
 from kvgate.admission_service.admin import AdminApi
+from kvgate.admission_service.dead_letters import MIN_DEAD_LETTER_BYTES
 from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_client import Connector, WebSocketConnector
 from kvgate.admission_service.executor_handle import SessionSettings
 from kvgate.admission_service.faults import CrashPoints
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.intake import AbortReader, Intake, request_consumer
 from kvgate.admission_service.kafka_health import KafkaHealth
-from kvgate.admission_service.kafka_io import client_options, ensure_topics, exactly_once_enabled
+from kvgate.admission_service.kafka_io import (
+    KafkaSetupError,
+    TopicLimits,
+    client_options,
+    ensure_topics,
+    exactly_once_enabled,
+)
 from kvgate.admission_service.metrics import ServiceMetrics, StateSnapshot
 from kvgate.admission_service.outbox import Outbox
 from kvgate.admission_service.settings import ServiceSettings, SettingsError
@@ -44,6 +54,7 @@ from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
 from kvgate.admission_service.tracing import ServiceTracer
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class AdmissionService:
@@ -105,30 +116,39 @@ class AdmissionService:
         self.admin_port: int | None = None
         self._failed: BaseException | None = None
         self.failed = asyncio.Event()
+        self._topic_limits: TopicLimits | None = None
 
     # -------------------------------------------------------------------------- start
     async def start(self) -> None:
         kafka = self.settings.kafka
-        partitions = await ensure_topics(kafka)
+        limits = await ensure_topics(kafka)
+        self._topic_limits = limits
         self.exactly_once = await exactly_once_enabled(kafka)
         log.info(
             "%s has %d partitions; exactly-once %s",
             kafka.request_topic,
-            partitions,
+            limits.request_partitions,
             "on (transactions)" if self.exactly_once else "off (at-least-once)",
         )
         consumer = request_consumer(self.settings)
+        limits_settings = self.settings.limits
+        answered = AnsweredIds(
+            limits_settings.idempotency_window_s, limits_settings.idempotency_max_ids
+        )
         self.outbox = Outbox(
             kafka,
             transactional=self.exactly_once,
             producer_factory=self._producer,
             commit_offsets=consumer.commit,
             metrics=self.metrics,
+            dead_letter_max_bytes=self._dead_letter_room(limits),
+            answered=answered,
             crash_points=CrashPoints(),
             on_fenced=self._fenced,
         )
         engine = Engine(
             self.engine_settings,
+            answered=answered,
             connector=self._connector,
             sink=self.outbox,
             tracer=self._tracer,
@@ -159,9 +179,28 @@ class AdmissionService:
         await engine.set_members(self.settings.executors.members)
         self.ready = True
 
+    @property
+    def _max_request_bytes(self) -> int:
+        """The producers' request limit: room for dead letters of the largest requests the
+        service reads, and of the largest the request topic accepts (plus their headers)."""
+        topic = self._topic_limits.request_max_bytes if self._topic_limits is not None else None
+        return max(1 << 20, 4 * self.settings.limits.max_message_bytes, (topic or 0) + (64 << 10))
+
+    def _dead_letter_room(self, limits: TopicLimits) -> int:
+        """The most a dead letter may take: what the producer sends and the topic accepts."""
+        room = self._max_request_bytes
+        if limits.dlq_max_bytes is not None:
+            room = min(room, limits.dlq_max_bytes)
+        if room < MIN_DEAD_LETTER_BYTES:
+            raise KafkaSetupError(
+                f"topic {self.settings.kafka.dlq_topic} accepts records of only {room} bytes; "
+                f"dead letters need at least {MIN_DEAD_LETTER_BYTES} (max.message.bytes)"
+            )
+        return room
+
     def _producer(self, transactional_id: str | None) -> AIOKafkaProducer:
         kafka = self.settings.kafka
-        size = max(1 << 20, 4 * self.settings.limits.max_message_bytes)
+        size = self._max_request_bytes
         if transactional_id is None:
             return AIOKafkaProducer(
                 **client_options(kafka), acks="all", enable_idempotence=False, max_request_size=size
@@ -181,7 +220,7 @@ class AdmissionService:
             token=admin.token_value(),
             ready=lambda: self.ready,
             healthy=lambda: self._failed is None,
-            outage=self.kafka_health.outage,
+            outage=self._outage,
         )
         self._runner = web.AppRunner(api.app(), access_log=None)
         await self._runner.setup()
@@ -191,6 +230,24 @@ class AdmissionService:
         sockets = getattr(server, "sockets", None) or []
         self.admin_port = int(sockets[0].getsockname()[1]) if sockets else admin.port
         log.info("admin API on http://%s:%d", admin.host, self.admin_port)
+
+    def _outage(self) -> str | None:
+        """Why the service cannot do its work now (readiness): Kafka does not answer, or a
+        partition's commit cycles have kept failing longer than kafka.commit_stall_timeout_s."""
+        kafka = self.kafka_health.outage()
+        if kafka is not None:
+            return kafka
+        if self.outbox is None:
+            return None
+        limit = self.settings.kafka.commit_stall_timeout_s
+        stuck = [s for s in self.outbox.stuck() if s.stalled_s >= limit]
+        if not stuck:
+            return None
+        return "; ".join(
+            f"partition {s.partition}: commits failing for {s.stalled_s:.1f} s "
+            f"({s.unwritten} answers unwritten): {s.error}"
+            for s in stuck
+        )
 
     def _fenced(self, partition: int) -> None:
         if self.intake is not None:
@@ -226,18 +283,25 @@ class AdmissionService:
         gauges = engine.executor_gauges() if engine is not None else []
         lag = self.intake.lag() if self.intake is not None else {}
         paused = self.intake.paused if self.intake is not None else False
+        outbox = self.outbox
+        unwritten = outbox.unwritten_by_partition() if outbox is not None else {}
+        stalled = {s.partition: s.stalled_s for s in outbox.stuck()} if outbox is not None else {}
+        tracked = engine.num_tracked if engine is not None else 0
         return StateSnapshot(
             unplaced=unplaced,
             executors=gauges,
             consumer_lag=lag,
             paused=paused,
-            in_flight=engine.num_tracked if engine is not None else 0,
+            in_flight=tracked + sum(unwritten.values()),
             kafka_reachable=self.kafka_health.reachable,
+            unwritten=unwritten,
+            stalled_s=stalled,
         )
 
     # ------------------------------------------------------------------------ shutdown
-    async def shutdown(self) -> None:
-        """The ordered shutdown of the module docstring; safe after a failed start."""
+    async def shutdown(self) -> int:
+        """The ordered shutdown of the module docstring; safe after a failed start. Returns
+        how many answers could not be written (0 when everything made here is durable)."""
         self.ready = False
         grace = self.settings.shutdown.grace_period_s
         if self.intake is not None:
@@ -261,9 +325,13 @@ class AdmissionService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        unwritten = 0
         if self.outbox is not None:
-            for partition in list(self.outbox.ledgers):
-                await _closing(f"partition {partition}", self.outbox.close_partition(partition))
+            for partition, before in self.outbox.unwritten_by_partition().items():
+                left = await _closing(
+                    f"partition {partition}", self.outbox.close_partition(partition)
+                )
+                unwritten += before if left is None else left
         if self._aborts is not None:
             await _closing("the abort reader", self._aborts.stop())
         if self.intake is not None:
@@ -274,17 +342,25 @@ class AdmissionService:
             await self._http.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if unwritten:
+            log.error(
+                "shutting down with %d answers never written: their requests run again on the "
+                "partitions' next owners",
+                unwritten,
+            )
+        return unwritten
 
 
-async def _closing(what: str, closing: Coroutine[Any, Any, None]) -> None:
-    """One shutdown step; its failure is logged and the next step still runs.
+async def _closing(what: str, closing: Coroutine[Any, Any, _T]) -> _T | None:
+    """One shutdown step, its result (None when it failed: that is logged and the next step
+    still runs).
 
     aiokafka can let a ``CancelledError`` of its own internal tasks escape from ``stop()``;
     that one is swallowed here, while a cancellation of the shutdown itself propagates.
     """
     task = asyncio.ensure_future(closing)
     try:
-        await asyncio.wait_for(asyncio.shield(task), 30.0)
+        return await asyncio.wait_for(asyncio.shield(task), 30.0)
     except asyncio.CancelledError:
         current = asyncio.current_task()
         if current is not None and current.cancelling():
@@ -292,6 +368,7 @@ async def _closing(what: str, closing: Coroutine[Any, Any, None]) -> None:
         log.warning("closing %s: an internal task was cancelled", what)
     except Exception as exc:
         log.warning("closing %s failed: %r", what, exc)
+    return None
 
 
 def tune_garbage_collector() -> None:
@@ -304,8 +381,10 @@ def tune_garbage_collector() -> None:
 
 
 async def serve(settings: ServiceSettings, stop: asyncio.Event, **options: Any) -> int:
-    """Run until ``stop`` is set (or a loop fails); returns the exit code."""
+    """Run until ``stop`` is set (or a loop fails); returns the exit code: 1 when a loop failed
+    or answers made here were never written (their requests run again elsewhere), else 0."""
     service = AdmissionService(settings, **options)
+    code = 0
     try:
         starting = asyncio.create_task(service.start())
         stopping = asyncio.create_task(stop.wait())
@@ -321,6 +400,7 @@ async def serve(settings: ServiceSettings, stop: asyncio.Event, **options: Any) 
         await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         failing.cancel()
-        return 1 if service.failure is not None else 0
+        code = 1 if service.failure is not None else 0
     finally:
-        await service.shutdown()
+        unwritten = await service.shutdown()
+    return 1 if unwritten else code

@@ -108,6 +108,9 @@ class KafkaSettings(_Section):
     request_timeout_ms: Annotated[int, Field(ge=1000)] = 30000
     # How often finished work is committed (results + consumed offsets, one transaction).
     commit_interval_ms: Annotated[int, Field(ge=1, le=60000)] = 100
+    # Commit cycles of a partition that keep failing this long fail readiness (/readyz names
+    # the partition, its unwritten answers and the error) until one succeeds again.
+    commit_stall_timeout_s: PositiveSeconds = 30.0
     # Reading the results partition on assignment (to skip requests already answered) gives up
     # after this long; the partition is then consumed without a skip set (duplicates possible).
     skip_scan_timeout_s: PositiveSeconds = 60.0
@@ -118,7 +121,7 @@ class KafkaSettings(_Section):
     security_protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
     sasl_mechanism: SaslMechanism | None = None
     sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
+    sasl_password: NonEmptySecret | None = None
     sasl_password_file: Path | None = None
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
@@ -168,10 +171,15 @@ class KafkaSettings(_Section):
         return self.transactional_id_prefix or self.group_id
 
 
+NonEmptySecret = Annotated[SecretStr, Field(min_length=1)]
+
+
 class AdminSettings(_Section):
-    host: str = "0.0.0.0"
+    # Loopback unless told otherwise: the admin API can change membership and drain
+    # executors. In Kubernetes the operator's pod config sets 0.0.0.0 (reached by the pod IP).
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080  # 0: any free port (tests)
-    token: SecretStr | None = None
+    token: NonEmptySecret | None = None
     token_file: Path | None = None
 
     def token_value(self) -> str | None:
@@ -183,7 +191,7 @@ class ExecutorsSettings(_Section):
     """Executor membership (a static list here, or pushed through the admin API) and sessions."""
 
     members: list[ExecutorSpec] = Field(default_factory=list)
-    token: SecretStr | None = None
+    token: NonEmptySecret | None = None
     token_file: Path | None = None
     connect_timeout_s: PositiveSeconds = 10.0
     heartbeat_s: PositiveSeconds = 5.0
@@ -222,8 +230,21 @@ class LimitsSettings(_Section):
     max_waiting_requests: Annotated[int, Field(ge=1)] = 4096
     resume_waiting_requests: Annotated[int, Field(ge=0)] | None = None
     tokenizer_file: Path | None = None  # enables text prompts and text in results
+    # Text prompts longer than this many characters are rejected before tokenizing (default:
+    # 16 per allowed prompt token — more than any tokenizer packs into one token — so no
+    # acceptable prompt is refused and no hopeless one costs tokenizer time).
+    max_prompt_chars: Annotated[int, Field(ge=1)] | None = None
+    # Text is tokenized on this many threads, off the event loop; intake pauses while this many
+    # texts wait for (or are in) tokenization.
+    tokenizer_threads: Annotated[int, Field(ge=1, le=64)] = 2
+    max_pending_tokenizations: Annotated[int, Field(ge=1)] = 64
     # Aborts are remembered this long, for requests that arrive after their abort.
     abort_memory_s: PositiveSeconds = 600.0
+    # One answer per request id: an id answered within this window (here, or by an earlier
+    # owner of its partition: read back from the results topic) is a duplicate, dead-lettered
+    # without a result. At most idempotency_max_ids are remembered (the oldest go first).
+    idempotency_window_s: PositiveSeconds = 600.0
+    idempotency_max_ids: Annotated[int, Field(ge=1)] = 200_000
 
     @model_validator(mode="after")
     def _ranges(self) -> Self:
@@ -237,6 +258,10 @@ class LimitsSettings(_Section):
                 f"max_waiting_requests ({self.max_waiting_requests})"
             )
         return self
+
+    @property
+    def prompt_char_limit(self) -> int:
+        return self.max_prompt_chars or 16 * self.max_prompt_tokens
 
     @property
     def resume_mark(self) -> int:

@@ -2,8 +2,10 @@
 
 Checks, in order (the first failure decides the reason)::
 
-    size ≤ max_message_bytes → JSON object → schema_version known → InferenceRequest schema
-    → text prompt only with a tokenizer → prompt ≤ max_prompt_tokens → max_tokens ≤ limit
+    size ≤ max_message_bytes → UTF-8 (no byte-order mark) → JSON (RFC 8259: no NaN or
+    Infinity) object → schema_version the integer 1 → InferenceRequest schema (exact types)
+    → text prompt only with a tokenizer, and ≤ max_prompt_chars → (text: tokenized, off the
+    event loop, see ``intake.py``) → prompt ≤ max_prompt_tokens → max_tokens ≤ limit
     → priority in [priority_min, priority_max]
 
 Capacity (fits an executor's cache, token ids inside its vocabulary) and duplicate in-flight ids
@@ -72,6 +74,19 @@ class Accepted:
 
 
 @dataclass(frozen=True, slots=True)
+class NeedsTokens:
+    """A valid request whose text prompt must be tokenized before its last checks
+    (:func:`complete_text`)."""
+
+    request: InferenceRequest
+
+    @property
+    def text(self) -> str:
+        assert isinstance(self.request.prompt, str)
+        return self.request.prompt
+
+
+@dataclass(frozen=True, slots=True)
 class Rejection:
     code: RejectCode
     reason: str
@@ -102,6 +117,51 @@ def describe_schema_error(error: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+_UTF32_BOMS = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def _encoding_problem(value: bytes) -> str | None:
+    """Why ``value`` is not UTF-8 text, in the terms a producer can act on (None if it is)."""
+    if value.startswith(_UTF8_BOM):
+        return "the body starts with a UTF-8 byte-order mark; send UTF-8 JSON without one"
+    head = value[:4]
+    if head.startswith(_UTF32_BOMS) or (len(head) == 4 and head.count(0) == 3):
+        return "the body is UTF-32 encoded; send UTF-8 JSON"
+    if head.startswith(_UTF16_BOMS) or 0 in head[:2]:
+        return "the body is UTF-16 encoded; send UTF-8 JSON"
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the body is not UTF-8: byte {exc.start} ({value[exc.start]:#04x}) is invalid"
+    return None
+
+
+def _no_constants(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259)")
+
+
+def _version_problem(body: dict[str, object]) -> Rejection | None:
+    if "schema_version" not in body:
+        return None
+    version = body["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        shown = f"the string {version!r}" if isinstance(version, str) else json.dumps(version)
+        return Rejection(
+            RejectCode.SCHEMA,
+            f"schema_version must be the integer {SCHEMA_VERSION}, not {shown}",
+            None,
+        )
+    if version != SCHEMA_VERSION:
+        return Rejection(
+            RejectCode.UNSUPPORTED_VERSION,
+            f"schema_version {version} is not supported (this service reads {SCHEMA_VERSION})",
+            None,
+        )
+    return None
+
+
 def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Rejection:
     value = record.value
     if value is None:
@@ -112,9 +172,14 @@ def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Reje
             f"the record is {len(value)} bytes; limits.max_message_bytes is {max_bytes}",
             _key_id(record),
         )
+    problem = _encoding_problem(value)
+    if problem is not None:
+        return Rejection(RejectCode.MALFORMED_JSON, problem, _key_id(record))
     try:
-        body = json.loads(value)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(value, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
+        return Rejection(RejectCode.MALFORMED_JSON, f"not JSON: {exc}", _key_id(record))
+    except ValueError as exc:  # NaN or Infinity
         return Rejection(RejectCode.MALFORMED_JSON, f"not JSON: {exc}", _key_id(record))
     except RecursionError:
         # Hostile nesting: the parser's depth limit, not a reason to stop consuming.
@@ -127,19 +192,29 @@ def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Reje
             f"the body must be a JSON object, not {type(body).__name__}",
             _key_id(record),
         )
-    version = body.get("schema_version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
-        return Rejection(
-            RejectCode.UNSUPPORTED_VERSION,
-            f"schema_version {version!r} is not supported (this service reads {SCHEMA_VERSION})",
-            _readable_id(body.get("request_id")) or _key_id(record),
-        )
+    version = _version_problem(body)
+    if version is not None:
+        request_id = _readable_id(body.get("request_id")) or _key_id(record)
+        return Rejection(version.code, version.reason, request_id)
     return body
 
 
 def validate_request(
     record: RawRecord, limits: LimitsSettings, tokenizer: TextCodec | None
 ) -> Accepted | Rejection:
+    """Every check, tokenizing a text prompt here (tools and tests; the service tokenizes
+    off its event loop through :func:`check_request` and :func:`complete_text`)."""
+    verdict = check_request(record, limits, has_tokenizer=tokenizer is not None)
+    if isinstance(verdict, NeedsTokens):
+        assert tokenizer is not None
+        return complete_text(verdict, tokenizer.encode(verdict.text), limits)
+    return verdict
+
+
+def check_request(
+    record: RawRecord, limits: LimitsSettings, *, has_tokenizer: bool
+) -> Accepted | NeedsTokens | Rejection:
+    """Every check that needs no tokenizer; a text prompt comes back as :class:`NeedsTokens`."""
     value = record.value
     request: InferenceRequest | None = None
     if value is not None and len(value) <= limits.max_message_bytes:
@@ -151,18 +226,39 @@ def validate_request(
         return _classify_bad_request(record, limits.max_message_bytes)
     rid = request.request_id
     if isinstance(request.prompt, str):
-        if tokenizer is None:
+        if not has_tokenizer:
             return Rejection(
                 RejectCode.TEXT_WITHOUT_TOKENIZER,
                 "the prompt is text but this service has no tokenizer "
                 "(send token ids, or configure limits.tokenizer_file)",
                 rid,
             )
-        token_ids = tuple(tokenizer.encode(request.prompt))
-        if not token_ids:
-            return Rejection(RejectCode.SCHEMA, "the prompt text encodes to no tokens", rid)
-    else:
-        token_ids = tuple(request.prompt)
+        if len(request.prompt) > limits.prompt_char_limit:
+            return Rejection(
+                RejectCode.PROMPT_TOO_LONG,
+                f"the prompt has {len(request.prompt)} characters; at most "
+                f"{limits.prompt_char_limit} are tokenized (limits.max_prompt_chars)",
+                rid,
+            )
+        return NeedsTokens(request)
+    return _checked(request, tuple(request.prompt), limits)
+
+
+def complete_text(
+    pending: NeedsTokens, token_ids: list[int], limits: LimitsSettings
+) -> Accepted | Rejection:
+    """The checks left for a text prompt once it is tokenized."""
+    if not token_ids:
+        return Rejection(
+            RejectCode.SCHEMA, "the prompt text encodes to no tokens", pending.request.request_id
+        )
+    return _checked(pending.request, tuple(token_ids), limits)
+
+
+def _checked(
+    request: InferenceRequest, token_ids: tuple[int, ...], limits: LimitsSettings
+) -> Accepted | Rejection:
+    rid = request.request_id
     if len(token_ids) > limits.max_prompt_tokens:
         return Rejection(
             RejectCode.PROMPT_TOO_LONG,

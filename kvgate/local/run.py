@@ -62,13 +62,13 @@ async def _serve(args: argparse.Namespace) -> int:
         service = stack.service
         assert service is not None
         admin = service.settings.admin
-        token = admin.token_value()
+        where = f"token in {admin.token_file}" if admin.token_file else "no admin token"
         print(
             f"\nkvgate is serving.\n"
             f"  Kafka bootstrap   {stack.bootstrap}\n"
             f"  requests topic    {service.settings.kafka.request_topic}\n"
             f"  results topic     {service.settings.kafka.result_topic}\n"
-            f"  admin API         http://127.0.0.1:{service.admin_port} (token {token})\n"
+            f"  admin API         http://127.0.0.1:{service.admin_port} ({where})\n"
             f"  produce:  kvgate produce FILE.jsonl --bootstrap {stack.bootstrap}\n"
             f"  results:  kvgate results --bootstrap {stack.bootstrap} --from-beginning\n"
             f"Ctrl-C to stop.\n",

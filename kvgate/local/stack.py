@@ -148,6 +148,17 @@ class ExecutorProcess:
             process.wait()
 
 
+def _admin_token_file(options: StackOptions) -> Path:
+    """A fresh admin token in a file only its owner can read (never printed)."""
+    path = options.out_dir / "admin-token"
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_hex(16))
+    return path
+
+
 def stack_settings(
     bootstrap: str, executor: ExecutorProcess, options: StackOptions, **overrides: Any
 ) -> ServiceSettings:
@@ -166,7 +177,7 @@ def stack_settings(
             "max_num_batched_tokens": 256,
             "prefill_chunk_size": 64,
         },
-        "admin": {"host": "127.0.0.1", "port": 0, "token": secrets.token_hex(16)},
+        "admin": {"host": "127.0.0.1", "port": 0, "token_file": str(_admin_token_file(options))},
         "executors": {
             "token": executor.token,
             "members": [{"name": "executor-0", "endpoint": executor.endpoint}],

@@ -1,7 +1,8 @@
 """Kafka message bodies: requests in, results and token chunks out, aborts, dead letters.
 
-Every body is JSON validated by a pydantic model with ``extra="forbid"`` and a
-``schema_version``; a producer that sends a field this version does not know is told so in the
+Every body is UTF-8 JSON validated by a pydantic model with ``extra="forbid"`` and a
+``schema_version``; what producers send is validated strictly (exact JSON types, finite
+numbers). A producer that sends a field this version does not know is told so in the
 dead-letter reason instead of having it silently ignored.
 
 Topics, keys and headers: :mod:`kvgate.protocol.topics`.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvgate.protocol.enums import FinishReason, RestoreMode
 
@@ -29,10 +30,24 @@ class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class _Input(_Message):
+    """What producers send: exact wire types (no ``"4"`` or ``true`` for an integer, no
+    ``1.0`` for one either) and finite numbers only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("schema_version", mode="before", check_fields=False)
+    @classmethod
+    def _integer_version(cls, value: object) -> object:
+        if isinstance(value, bool):  # a Literal[1] would take True (True == 1)
+            raise ValueError(f"schema_version must be the integer {SCHEMA_VERSION}, not a boolean")
+        return value
+
+
 # ------------------------------------------------------------------------------ requests
 
 
-class RequestSampling(_Message):
+class RequestSampling(_Input):
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: PositiveInt | None = None
@@ -40,7 +55,7 @@ class RequestSampling(_Message):
     ignore_eos: bool = False
 
 
-class RequestLoops(_Message):
+class RequestLoops(_Input):
     """Loop bounds for looped models (a plain model ignores them)."""
 
     min_loops: PositiveInt = 1
@@ -54,7 +69,7 @@ class RequestLoops(_Message):
         return self
 
 
-class InferenceRequest(_Message):
+class InferenceRequest(_Input):
     """One generation job. ``prompt`` is token ids, or text when the service has a tokenizer.
 
     ``priority``: lower is more important. ``deadline_unix_s``: wall-clock time (seconds since
@@ -73,7 +88,7 @@ class InferenceRequest(_Message):
     deadline_unix_s: Annotated[float, Field(gt=0.0)] | None = None
 
 
-class AbortRequest(_Message):
+class AbortRequest(_Input):
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: RequestId
 
@@ -169,11 +184,21 @@ DLQ_TOPIC_HEADER: Final = "kvgate-dlq-topic"
 DLQ_PARTITION_HEADER: Final = "kvgate-dlq-partition"
 DLQ_OFFSET_HEADER: Final = "kvgate-dlq-offset"
 DLQ_TIMESTAMP_HEADER: Final = "kvgate-dlq-timestamp-ms"
+# Only on a dead letter whose original did not fit the dead-letter topic: its value is then a
+# prefix of the original, and these describe the whole original value.
+DLQ_TRUNCATED_HEADER: Final = "kvgate-dlq-truncated"
+DLQ_ORIGINAL_BYTES_HEADER: Final = "kvgate-dlq-original-bytes"
+DLQ_SHA256_HEADER: Final = "kvgate-dlq-sha256"
 TRACEPARENT_HEADER: Final = "traceparent"
 
 
 class DeadLetter(_Message):
-    """What a dead-letter record says about itself (its headers, parsed)."""
+    """What a dead-letter record says about itself (its headers, parsed).
+
+    ``truncated``: the record carries only a prefix of the original value (and no original key
+    or headers when those were too large too); ``original_bytes`` and ``sha256`` describe the
+    whole original value, and topic/partition/offset say where to read it.
+    """
 
     code: RejectCode
     reason: str
@@ -181,6 +206,9 @@ class DeadLetter(_Message):
     partition: NonNegativeInt
     offset: NonNegativeInt
     timestamp_ms: int | None = None
+    truncated: bool = False
+    original_bytes: NonNegativeInt | None = None
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
 
     def headers(self) -> list[tuple[str, bytes]]:
         headers = [
@@ -192,6 +220,12 @@ class DeadLetter(_Message):
         ]
         if self.timestamp_ms is not None:
             headers.append((DLQ_TIMESTAMP_HEADER, str(self.timestamp_ms).encode()))
+        if self.truncated:
+            headers.append((DLQ_TRUNCATED_HEADER, b"true"))
+        if self.original_bytes is not None:
+            headers.append((DLQ_ORIGINAL_BYTES_HEADER, str(self.original_bytes).encode()))
+        if self.sha256 is not None:
+            headers.append((DLQ_SHA256_HEADER, self.sha256.encode()))
         return headers
 
     @classmethod
@@ -206,4 +240,11 @@ class DeadLetter(_Message):
             timestamp_ms=(
                 int(found[DLQ_TIMESTAMP_HEADER]) if DLQ_TIMESTAMP_HEADER in found else None
             ),
+            truncated=found.get(DLQ_TRUNCATED_HEADER) == "true",
+            original_bytes=(
+                int(found[DLQ_ORIGINAL_BYTES_HEADER])
+                if DLQ_ORIGINAL_BYTES_HEADER in found
+                else None
+            ),
+            sha256=found.get(DLQ_SHA256_HEADER),
         )

@@ -259,11 +259,18 @@ async def test_infeasible_and_out_of_vocabulary_and_duplicate_are_rejected() -> 
             "twice": RejectCode.DUPLICATE,
         }
         for record, rejection, result in rig.sink.rejects:
+            assert rejection.reason
+            if rejection.code is RejectCode.DUPLICATE:
+                assert result is None, "a duplicate is dead-lettered without a second answer"
+                continue
             assert result is not None and result.status is ResultStatus.REJECTED
             assert result.source.offset == record.offset
-            assert rejection.reason
         rig.connector.backends["a"].release()
-        await until(lambda: rig.sink.answers["twice"].status is ResultStatus.COMPLETED)
+        await until(lambda: "twice" in rig.sink.answers)
+        assert rig.sink.answers["twice"].status is ResultStatus.COMPLETED
+        rig.submit(request_body("twice"))  # after its answer, too
+        assert [r.request_id for _, r, res in rig.sink.rejects if res is None] == ["twice"] * 2
+        assert [r.request_id for r in rig.sink.answer_log].count("twice") == 1
     finally:
         await rig.engine.close()
 

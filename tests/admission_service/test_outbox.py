@@ -5,20 +5,26 @@ transaction), and the plain mode's acknowledge-then-commit order."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError
+from aiokafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
 from aiokafka.structs import OffsetAndMetadata
 
+from kvgate.admission_service.dead_letters import dead_letter_copy, record_bytes
+from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import PartitionLedger, decode_metadata
 from kvgate.admission_service.outbox import Outbox
 from kvgate.admission_service.settings import KafkaSettings
+from kvgate.admission_service.validation import RawRecord, Rejection
 from kvgate.protocol.records import (
+    DeadLetter,
     InferenceResult,
+    RejectCode,
     ResultStatus,
     SourceRef,
     Timings,
@@ -26,7 +32,10 @@ from kvgate.protocol.records import (
 )
 
 pytestmark = pytest.mark.timeout(30)
-KAFKA = KafkaSettings(bootstrap_servers="k:1", request_topic="req", result_topic="res")
+KAFKA = KafkaSettings(
+    bootstrap_servers="k:1", request_topic="req", result_topic="res", dlq_topic="dlq"
+)
+DLQ_ROOM = 64 * 1024
 
 
 @dataclass
@@ -41,6 +50,7 @@ class ScriptedProducer:
     log: list[tuple[str, Any]] = field(default_factory=list)
     next_offset: int = 100
     fail_commit: bool = False
+    refuse: Callable[[str, bytes | None], BaseException | None] = lambda _topic, _value: None
     commit_gate: asyncio.Event | None = None
     committing: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -54,6 +64,10 @@ class ScriptedProducer:
         self.log.append(("begin", None))
 
     async def send(self, topic: str, value: bytes | None, **kw: Any) -> asyncio.Future[Metadata]:
+        refused = self.refuse(topic, value)
+        if refused is not None:
+            self.log.append(("refused", (topic, kw["key"])))
+            raise refused
         future: asyncio.Future[Metadata] = asyncio.get_running_loop().create_future()
         future.set_result(Metadata(self.next_offset))
         self.next_offset += 1
@@ -99,6 +113,7 @@ def outbox(
         producer_factory=factory,
         commit_offsets=commit_offsets,
         metrics=ServiceMetrics(),
+        dead_letter_max_bytes=DLQ_ROOM,
     )
 
 
@@ -171,3 +186,110 @@ async def test_plain_mode_commits_offsets_only_after_the_acks() -> None:
     assert commits == [{0: (1, "kvgate/1 results_from=101"), 1: (6, "kvgate/1 results_from=102")}]
     sends = [v for k, v in producer.log if k == "send"]
     assert sends == [("res", 0, b"a"), ("res", 1, b"b")], "results go to the request's partition"
+
+
+def bad_record(offset: int, value: bytes) -> tuple[RawRecord, Rejection]:
+    record = RawRecord("req", 0, offset, b"k", value)
+    return record, Rejection(RejectCode.MALFORMED_JSON, "not JSON", None)
+
+
+async def test_plain_mode_sends_again_only_what_failed() -> None:
+    failing = {"on": True}
+    producer = ScriptedProducer(
+        refuse=lambda topic, _v: KafkaTimeoutError() if topic == "dlq" and failing["on"] else None
+    )
+    commits: list[Any] = []
+    box = outbox(producer, transactional=False, commits=commits)
+    await box.start()
+    box.track(0, PartitionLedger(committed=0))
+    for offset in range(3):
+        box.read(0, offset)
+    box.answer(result("a", 0), None)
+    box.reject(*bad_record(1, b"{oops"), None)
+    box.answer(result("c", 2), None)
+    await box.flush()
+    assert commits == [{0: (1, "kvgate/1 results_from=101")}], "up to the unwritten offset 1"
+    assert [s.partition for s in box.stuck()] == [0] and box.num_unwritten == 1
+    failing["on"] = False
+    producer.log.clear()
+    await box.flush()
+    assert [v for k, v in producer.log if k == "send"] == [("dlq", None, b"k")], "only the retry"
+    assert commits[-1][0][0] == 3 and not box.stuck() and box.num_unwritten == 0
+
+
+@pytest.mark.parametrize("transactional", [True, False])
+async def test_a_refused_dead_letter_is_shrunk_and_the_partition_moves_on(
+    transactional: bool,
+) -> None:
+    # The topic accepts less than the service measured at start-up (its config was changed).
+    producer = ScriptedProducer(
+        refuse=lambda t, v: (
+            MessageSizeTooLargeError() if t == "dlq" and len(v or b"") > 16_384 else None
+        )
+    )
+    commits: list[Any] = []
+    box = outbox(producer, transactional=transactional, commits=commits)
+    await box.start()
+    await box.open_partition(0)
+    box.track(0, PartitionLedger(committed=0))
+    box.read(0, 0)
+    original = b"y" * 50_000
+    box.reject(*bad_record(0, original), None)
+    for _ in range(3):
+        await box.flush()
+    sent = [v for k, v in producer.log if k == "send"]
+    assert sent.count(("dlq", None, b"k")) == 1, "written once, in its smallest form"
+    committed = [v for k, v in producer.log if k == "offsets"] if transactional else commits
+    assert committed and box.num_unwritten == 0
+
+
+def test_a_dead_letter_of_any_shape_fits_its_room() -> None:
+    letter = DeadLetter(code=RejectCode.TOO_LARGE, reason="r" * 5000, topic="req", partition=0,
+                        offset=9)  # fmt: skip
+    shapes = [
+        (b"k" * 10, b"v" * 10, []),
+        (b"k" * 10, b"v" * 200_000, []),
+        (b"k" * 200_000, b"v", []),
+        (b"k", b"v", [("h", b"x" * 200_000)]),
+        (b"k", None, [(f"h{i}", b"x" * 100) for i in range(2000)]),
+    ]
+    for key, value, headers in shapes:
+        copy = dead_letter_copy(key, value, headers, letter, max_bytes=DLQ_ROOM)
+        assert record_bytes(copy.key, copy.value, copy.headers) <= DLQ_ROOM
+        described = DeadLetter.from_headers(copy.headers)
+        whole = value or b""
+        assert copy.truncated == described.truncated
+        if copy.truncated:
+            assert described.original_bytes == len(whole)
+            assert described.sha256 == hashlib.sha256(whole).hexdigest()
+            assert whole.startswith(copy.value) and (described.offset, described.topic) == (
+                9,
+                "req",
+            )
+        else:
+            assert (copy.key, copy.value) == (key, whole)
+
+
+async def test_answers_discarded_before_they_are_durable_are_not_remembered_as_answered() -> None:
+    """Regression (the fencing scenario): answers of a fenced or revoked partition are dropped
+    and their requests read again — they must then run, not be taken for duplicates."""
+    producer = ScriptedProducer(refuse=lambda _topic, _value: KafkaTimeoutError())
+    answered = AnsweredIds(window_s=600.0, max_ids=100)
+    box = Outbox(
+        KAFKA,
+        transactional=False,
+        producer_factory=lambda _txn_id: producer,
+        commit_offsets=lambda _offsets: asyncio.sleep(0),
+        metrics=ServiceMetrics(),
+        answered=answered,
+    )
+    await box.start()
+    box.track(0, PartitionLedger(committed=0))
+    box.read(0, 0)
+    answered.add("a")  # the engine records an answer as it makes it
+    box.answer(result("a", 0), None)
+    answered.add("b")
+    box.answer(result("b", 1, partition=3), None)  # a partition not (or no longer) held here
+    assert "b" not in answered
+    assert await box.close_partition(0) == 1  # revoked with the answer unwritten
+    assert "a" not in answered

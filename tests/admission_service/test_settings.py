@@ -186,3 +186,15 @@ def test_the_operators_builder_output_parses_directly(tmp_path: Path) -> None:
     settings = load_settings(write(tmp_path, text))
     assert settings.scheduler.max_num_seqs == 32
     assert settings.scheduler.preemption is PreemptionMode.RECOMPUTE
+
+
+def test_exposure_defaults_are_closed() -> None:
+    """Outside Kubernetes the admin API listens on loopback only, and a token that is set but
+    empty is refused instead of accepted as a credential."""
+    settings = load_settings(None, {"kafka": {"bootstrap_servers": "127.0.0.1:9092"}})
+    assert settings.admin.host == "127.0.0.1"
+    for section, key in [("admin", "token"), ("executors", "token")]:
+        with pytest.raises(SettingsError, match=f"{section}.{key}"):
+            load_settings(
+                None, {"kafka": {"bootstrap_servers": "127.0.0.1:9092"}, section: {key: ""}}
+            )

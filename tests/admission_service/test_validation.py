@@ -54,7 +54,7 @@ def test_valid_request_becomes_a_spec() -> None:
     ("value", "code", "reason", "request_id"),
     [
         (b"{not json", RejectCode.MALFORMED_JSON, "not JSON", "from-key"),
-        (b"\xff\xfe", RejectCode.MALFORMED_JSON, "not JSON", "from-key"),
+        (b"\xff\xfe", RejectCode.MALFORMED_JSON, "UTF-16", "from-key"),
         (None, RejectCode.MALFORMED_JSON, "no value", "from-key"),
         (b"[1, 2]", RejectCode.SCHEMA, "must be a JSON object", "from-key"),
         (
@@ -193,3 +193,65 @@ def test_spec_parameters_equal_validated_protocol_models() -> None:
         "temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11, "max_tokens": 7,
         "ignore_eos": False,
     }  # fmt: skip
+
+
+PRODUCTION = LimitsSettings()  # the defaults a deployment runs with
+
+
+def _strictly(value: bytes) -> Rejection:
+    verdict = validate_request(record(value, 0, key=b"from-key"), PRODUCTION, None)
+    assert isinstance(verdict, Rejection), f"{value[:60]!r} was accepted"
+    return verdict
+
+
+@pytest.mark.parametrize(
+    ("value", "code", "reason"),
+    [
+        # Wire types are exact: no strings or booleans for numbers, no non-finite numbers.
+        (b'{"request_id": "w-1", "prompt": [1], "max_tokens": "4"}', RejectCode.SCHEMA,
+         "max_tokens: Input should be a valid integer"),
+        (b'{"request_id": "w-1", "prompt": [1], "max_tokens": true}', RejectCode.SCHEMA,
+         "max_tokens: Input should be a valid integer"),
+        (b'{"request_id": "w-1", "prompt": [1], "max_tokens": 4.0}', RejectCode.SCHEMA,
+         "max_tokens: Input should be a valid integer"),
+        (b'{"request_id": "w-1", "prompt": [1], "priority": false}', RejectCode.SCHEMA,
+         "priority: Input should be a valid integer"),
+        (b'{"request_id": "w-1", "prompt": ["1"]}', RejectCode.SCHEMA, "prompt"),
+        (b'{"request_id": "w-1", "prompt": [1], "deadline_unix_s": Infinity}',
+         RejectCode.MALFORMED_JSON, "Infinity is not a JSON number"),
+        (b'{"request_id": "w-1", "prompt": [1], "sampling": {"temperature": NaN}}',
+         RejectCode.MALFORMED_JSON, "NaN is not a JSON number"),
+        (b'{"request_id": "w-1", "prompt": [1], "deadline_unix_s": 1e999}', RejectCode.SCHEMA,
+         "deadline_unix_s: Input should be a finite number"),
+        # Encodings: UTF-8 only, said so plainly.
+        (b'\xef\xbb\xbf{"request_id": "w-1", "prompt": [1]}', RejectCode.MALFORMED_JSON,
+         "byte-order mark"),
+        ('{"request_id": "w-1", "prompt": [1]}'.encode("utf-16"), RejectCode.MALFORMED_JSON,
+         "UTF-16"),
+        ('{"request_id": "w-1", "prompt": [1]}'.encode("utf-16-le"), RejectCode.MALFORMED_JSON,
+         "UTF-16"),
+        ('{"request_id": "w-1", "prompt": [1]}'.encode("utf-32"), RejectCode.MALFORMED_JSON,
+         "UTF-32"),
+        (b'{"request_id": "w-1", "prompt": "caf\xe9"}', RejectCode.MALFORMED_JSON,
+         "not UTF-8"),
+        # The version must be the integer this service reads; a string is a type error.
+        (b'{"schema_version": "1", "request_id": "w-1", "prompt": [1]}', RejectCode.SCHEMA,
+         "schema_version must be the integer 1, not the string '1'"),
+        (b'{"schema_version": true, "request_id": "w-1", "prompt": [1]}', RejectCode.SCHEMA,
+         "schema_version must be the integer 1, not true"),
+        (b'{"schema_version": 2, "request_id": "w-1", "prompt": [1]}',
+         RejectCode.UNSUPPORTED_VERSION, "schema_version 2 is not supported"),
+    ],
+)  # fmt: skip
+def test_wire_types_are_strict_and_reasons_precise(
+    value: bytes, code: RejectCode, reason: str
+) -> None:
+    verdict = _strictly(value)
+    readable = code is not RejectCode.MALFORMED_JSON  # else only the key names it
+    assert (verdict.code, verdict.request_id) == (code, "w-1" if readable else "from-key")
+    assert reason in verdict.reason, verdict.reason
+
+
+def test_strict_aborts() -> None:
+    verdict = validate_abort(record(b'{"request_id": 5}', 0), 1 << 20)
+    assert isinstance(verdict, Rejection) and verdict.code is RejectCode.SCHEMA

@@ -194,3 +194,7 @@ def test_service_monitors_scrape_the_operator_built_services(with_policies: Rend
         where = monitor["spec"]["namespaceSelector"]
         assert where.get("any") is True or service["metadata"]["namespace"] in where["matchNames"]
         assert monitor["metadata"]["namespace"] == with_policies.value_set.namespace
+
+
+def test_network_policies_are_on_by_default(rendered_sets: dict[str, Rendered]) -> None:
+    assert rendered_set(rendered_sets, "defaults").of_kind("NetworkPolicy")

@@ -151,6 +151,7 @@ def test_executor_command_line() -> None:
         "float16",
     ]
     assert arg(args, "--host-snapshot-blocks") == "0"
+    assert arg(args, "--host") == "0.0.0.0", "explicit, so the executor's default can be loopback"
     assert "--num-blocks" not in args and "--memory-fraction" not in args
     assert arg(executor_args(spec(kvCache={"numBlocks": 2048})), "--num-blocks") == "2048"
     fraction = executor_args(spec(kvCache={"memoryFraction": 0.85, "hostSnapshotBlocks": 64}))
@@ -247,7 +248,11 @@ def test_admission_config_file_contents() -> None:
         "watermark_ratio": 0.05,
         "snapshot_block_cost_s": 1e-5,
     }
-    assert config["admin"] == {"port": 8080, "token_file": "/var/run/kvgate/admin-token/token"}
+    assert config["admin"] == {
+        "host": "0.0.0.0",  # reached by the pod IP (the service's own default is loopback)
+        "port": 8080,
+        "token_file": "/var/run/kvgate/admin-token/token",
+    }
     assert config["executors"] == {"token_file": EXECUTOR_TOKEN_FILE}
     assert config["telemetry"] == {
         "service_name": "prod-admission",

@@ -36,11 +36,11 @@ from tests.reliability.processes import (
     wait_executor_ready,
 )
 from tests.reliability.traffic import (
-    Expect,
     Message,
     Sent,
     Summary,
     check_outcomes,
+    expected_letters,
     expected_results,
     read_answers,
     read_letters,
@@ -130,8 +130,12 @@ class Cluster:
             process.stop()
 
     # -------------------------------------------------------------------------- traffic
-    async def send(self, messages: Sequence[Message]) -> list[Sent]:
-        sent = await send(self.bootstrap, self.topics.requests, messages)
+    async def send(
+        self, messages: Sequence[Message], *, max_request_size: int = 1 << 21
+    ) -> list[Sent]:
+        sent = await send(
+            self.bootstrap, self.topics.requests, messages, max_request_size=max_request_size
+        )
         self.sent += sent
         return sent
 
@@ -153,7 +157,7 @@ class Cluster:
         letters = await read_letters(
             self.bootstrap,
             self.topics.dlq,
-            sum(1 for s in self.sent if s.message.expect is Expect.DEAD_LETTER),
+            expected_letters(self.sent),
             timeout_s=timeout_s,
             settle_s=settle_s,
         )

@@ -6,10 +6,12 @@ under ``request_id`` when the service can read one — from the body, else from 
 it. The kinds cover what the issue lists — truncated JSON, wrong types, huge prompts, negative
 or huge ``max_tokens``, unknown fields, binary garbage, duplicate ids, bad trace context — and a
 few more a hostile producer would try (tombstones, deep nesting, wrong schema versions, token
-ids outside the vocabulary, requests no cache can hold, non-object JSON, huge records).
+ids outside the vocabulary, requests no cache can hold, non-object JSON, huge records, records
+larger than the service's own producer limit, byte-order marks, UTF-16/32 bodies, NaN and
+Infinity, strings and booleans for numbers).
 
-:func:`hostile_stream` interleaves them with valid requests; a duplicate always follows the
-valid request whose id it copies, in the same partition.
+:func:`hostile_stream` interleaves them with valid requests; a duplicate follows the valid
+request whose id it copies (right behind it, or up to 200 records later), in the same partition.
 """
 
 from __future__ import annotations
@@ -20,21 +22,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.admission_service.settings import LimitsSettings
 from kvgate.protocol.records import RejectCode
 from tests.reliability.traffic import Expect, Message
 
 R = RejectCode
+_PRODUCTION = LimitsSettings()
 
 
 @dataclass(frozen=True)
 class Limits:
-    """The service limits the generators aim at (must match the service's settings)."""
+    """The service limits the generators aim at: the production defaults (a smaller byte limit
+    once hid that the service could not dead-letter its largest records)."""
 
     vocab_size: int = 512
-    max_prompt_tokens: int = 256
-    max_output_tokens: int = 512
-    max_message_bytes: int = 64 * 1024
+    max_prompt_tokens: int = _PRODUCTION.max_prompt_tokens
+    max_output_tokens: int = _PRODUCTION.max_output_tokens
+    max_message_bytes: int = _PRODUCTION.max_message_bytes
     # An executor's whole cache holds fewer tokens than max_prompt_tokens + max_output_tokens.
+    # Records over the service producer's own request limit (4 × max_message_bytes): their
+    # dead letters are truncated copies.
+    oversized_bytes: int = int(4.5 * 2**20)
+    oversized_every: int = 500  # one such record per this many
 
 
 def _bad(
@@ -135,10 +144,40 @@ def wrong_types(rng: random.Random, n: int, limits: Limits) -> Message:
             {"sampling": {"top_p": 0.0}},
             {"loops": [1, 2]},
             {"deadline_unix_s": "tomorrow"},
+            {"max_tokens": "4"},  # wire types are strict: no strings or booleans for numbers
+            {"max_tokens": True},
+            {"priority": False},
+            {"sampling": {"seed": 1.0}},
+            {"schema_version": True},
         ]
     )
     key, _ = _key(rng, rid)
     return _bad(_json(_body(rng, rid, limits, **wrong)), key, {R.SCHEMA}, "wrong type", rid)
+
+
+def bad_encoding(rng: random.Random, n: int, limits: Limits) -> Message:
+    rid = f"encoding-{n}"
+    text = json.dumps(_body(rng, rid, limits))
+    raw = rng.choice(
+        [
+            b"\xef\xbb\xbf" + text.encode(),  # a UTF-8 byte-order mark
+            text.encode("utf-16"),
+            text.encode("utf-16-be"),
+            text.encode("utf-32"),
+            text.replace('"max_tokens": ', '"deadline_unix_s": Infinity, "max_tokens": ').encode(),
+            text.replace('"max_tokens": ', '"deadline_unix_s": NaN, "max_tokens": ').encode(),
+        ]
+    )
+    key, key_id = _key(rng, rid)
+    return _bad(raw, key, {R.MALFORMED_JSON}, "bad encoding", key_id)
+
+
+def oversized(rng: random.Random, n: int, limits: Limits) -> Message:
+    """Larger than the service's own producer accepts: answered, its dead letter truncated."""
+    rid = f"oversized-{n}"
+    raw = b'{"request_id": "' + rid.encode() + b'", "prompt": "' + b"x" * limits.oversized_bytes
+    key, key_id = _key(rng, rid)
+    return _bad(raw + b'"}', key, {R.TOO_LARGE}, "oversized", key_id)
 
 
 def id_of_wrong_type(rng: random.Random, n: int, limits: Limits) -> Message:
@@ -193,7 +232,7 @@ def out_of_range(rng: random.Random, n: int, limits: Limits) -> Message:
             ({"priority": -(10**6)}, {R.PRIORITY_OUT_OF_RANGE}, "priority"),
             ({"prompt": [limits.vocab_size + 5]}, {R.TOKEN_OUT_OF_VOCABULARY}, "vocabulary"),
             ({"schema_version": 2}, {R.UNSUPPORTED_VERSION}, "version"),
-            ({"schema_version": "1"}, {R.UNSUPPORTED_VERSION}, "version"),
+            ({"schema_version": "1"}, {R.SCHEMA}, "version type"),
             ({"prompt": "text without a tokenizer"}, {R.TEXT_WITHOUT_TOKENIZER}, "text"),
             (
                 {
@@ -216,6 +255,7 @@ BAD_KINDS: list[Callable[[random.Random, int, Limits], Message]] = [
     deep_nesting,
     not_an_object,
     wrong_types,
+    bad_encoding,
     id_of_wrong_type,
     unknown_fields,
     bad_max_tokens,
@@ -258,9 +298,13 @@ def hostile_stream(
     rng = random.Random(seed)
     messages: list[Message] = []
     bodies: list[dict[str, Any]] = []
+    later: list[tuple[int, Message]] = []  # (insert once this many records are out, record)
     n = 0
     while len(messages) < total:
         n += 1
+        if n % limits.oversized_every == 0:
+            messages.append(oversized(rng, n, limits))
+            continue
         if rng.random() >= valid_share:
             kind = BAD_KINDS[n % len(BAD_KINDS)]
             messages.append(kind(rng, n, limits))
@@ -279,17 +323,22 @@ def hostile_stream(
             label = "trace context"
         messages.append(Message.request(body, headers=headers, label=label))
         if rng.random() < 0.15:
-            # The same id again, right behind it (same key, same partition): while the first is
-            # in flight it is a duplicate; if the first already finished it simply runs.
+            # The same id again (same key, same partition), right behind it or later: in flight
+            # or answered, it is a duplicate — dead-lettered, and no second answer.
             duplicate = Message.request(body, label="duplicate id")
-            messages.append(
-                Message(
-                    duplicate.value,
-                    duplicate.key,
-                    expect=Expect.COMPLETE_OR_DUPLICATE,
-                    request_id=duplicate.request_id,
-                    codes=frozenset({R.DUPLICATE}),
-                    label="duplicate id",
-                )
+            copy = Message(
+                duplicate.value,
+                duplicate.key,
+                expect=Expect.DUPLICATE,
+                request_id=duplicate.request_id,
+                codes=frozenset({R.DUPLICATE}),
+                label="duplicate id",
             )
+            if rng.random() < 0.5:
+                messages.append(copy)
+            else:
+                later.append((len(messages) + rng.randint(20, 200), copy))
+                later.sort(key=lambda item: item[0])
+        while later and later[0][0] <= len(messages):
+            messages.append(later.pop(0)[1])
     return messages[:total], bodies

@@ -10,6 +10,7 @@ is named with the record it concerns.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,9 +33,9 @@ from tests.reliability.workloads import Output
 class Expect(StrEnum):
     COMPLETE = "complete"  # one completed result with the reference outputs, no dead letter
     DEAD_LETTER = "dead_letter"  # one dead letter; a rejected result iff the id is readable
-    # A copy of an id that may still be in flight: dead-lettered as a duplicate while the first
-    # runs, else it runs itself. Either way exactly one outcome.
-    COMPLETE_OR_DUPLICATE = "complete_or_duplicate"
+    # A copy of an id already in flight or answered: one dead letter (duplicate), no result —
+    # the id's one answer is its first copy's.
+    DUPLICATE = "duplicate"
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,17 @@ async def send(
 
 
 def expected_results(sent: Sequence[Sent]) -> int:
-    """How many results the records must produce (duplicates: one either way)."""
+    """How many results the records must produce (a duplicate: none of its own)."""
     return sum(
-        1 for s in sent if s.message.expect is not Expect.DEAD_LETTER or s.message.request_id
+        1
+        for s in sent
+        if s.message.expect is Expect.COMPLETE
+        or (s.message.expect is Expect.DEAD_LETTER and s.message.request_id)
     )
+
+
+def expected_letters(sent: Sequence[Sent]) -> int:
+    return sum(1 for s in sent if s.message.expect is not Expect.COMPLETE)
 
 
 async def read_answers(
@@ -129,7 +137,7 @@ async def read_letters(
 class Summary:
     completed: int = 0
     dead_letters: Counter[str] = field(default_factory=Counter)  # by code
-    duplicates_ran: int = 0  # duplicate ids that ran because the first had finished
+    truncated: int = 0  # dead letters that carry a prefix of an oversized original
     preemptions: int = 0
     max_bypasses: int = 0
     moved: int = 0  # completed on more than one executor
@@ -178,10 +186,6 @@ def _check_one(
     m = item.message
     at = f"{m.label} record {m.request_id!r} at {item.partition}/{item.offset}"
     expect = m.expect
-    if expect is Expect.COMPLETE_OR_DUPLICATE:
-        expect = Expect.DEAD_LETTER if letters else Expect.COMPLETE
-        if expect is Expect.COMPLETE:
-            summary.duplicates_ran += 1
     if expect is Expect.COMPLETE:
         if letters:
             return [f"{at}: dead-lettered ({letters[0][1].code}: {letters[0][1].reason})"]
@@ -206,10 +210,10 @@ def _check_one(
         problems.append(f"{at}: dead letter {letter.code}, expected one of {sorted(m.codes)}")
     if not letter.reason.strip():
         problems.append(f"{at}: dead letter without a reason")
-    if record.value != m.value or record.key != m.key:
-        problems.append(f"{at}: the dead letter does not keep the original key and bytes")
+    problems += _check_copy(at, record, letter, m)
     summary.dead_letters[letter.code.value] += 1
-    wanted = 1 if m.request_id is not None else 0
+    summary.truncated += letter.truncated
+    wanted = 1 if m.request_id is not None and expect is Expect.DEAD_LETTER else 0
     if len(answers) != wanted:
         return [*problems, f"{at}: {len(answers)} results, expected {wanted}"]
     for result in answers:
@@ -218,3 +222,19 @@ def _check_one(
         if result.request_id != m.request_id:
             problems.append(f"{at}: rejected result names {result.request_id!r}")
     return problems
+
+
+def _check_copy(at: str, record: Any, letter: DeadLetter, m: Message) -> list[str]:
+    """The dead letter keeps the original; one too large for the dead-letter topic keeps a
+    prefix, with the whole original's size and hash."""
+    original = m.value or b""
+    if not letter.truncated:
+        if record.value != original or record.key != m.key:
+            return [f"{at}: the dead letter does not keep the original key and bytes"]
+        return []
+    whole = (letter.original_bytes, letter.sha256)
+    if whole != (len(original), hashlib.sha256(original).hexdigest()):
+        return [f"{at}: a truncated dead letter describes {whole}, not the original"]
+    if not original.startswith(record.value or b"\x00"):
+        return [f"{at}: a truncated dead letter is not a prefix of the original"]
+    return []

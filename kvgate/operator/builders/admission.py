@@ -90,7 +90,7 @@ def build_admission_config(pool: PoolRef, spec: ExecutorPoolSpec) -> dict[str, A
         "kafka": _kafka_config(pool, spec.kafka),
         # Only what the pool sets: the service applies its own defaults to the rest.
         "scheduler": spec.scheduler.model_dump(mode="json", exclude_unset=True),
-        "admin": {"port": ADMIN_PORT, "token_file": ADMIN_TOKEN_FILE},
+        "admin": {"host": "0.0.0.0", "port": ADMIN_PORT, "token_file": ADMIN_TOKEN_FILE},
         "executors": {"token_file": EXECUTOR_TOKEN_FILE},
         "telemetry": telemetry,
     }

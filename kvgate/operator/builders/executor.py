@@ -61,6 +61,8 @@ def executor_args(spec: ExecutorPoolSpec) -> list[str]:
         args += ["--memory-fraction", repr(spec.kv_cache.memory_fraction)]
     args += ["--host-snapshot-blocks", str(spec.kv_cache.host_snapshot_blocks)]
     args += ["--token-file", EXECUTOR_TOKEN_FILE]
+    # Reached by the pod IP; explicit, so that a loopback default outside Kubernetes is safe.
+    args += ["--host", "0.0.0.0"]
     if spec.model.exit_policy is not None:
         args += ["--exit-policy", spec.model.exit_policy.value]
     return args
