@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from typing import Protocol
@@ -32,6 +31,7 @@ import aiohttp
 from pydantic import TypeAdapter, ValidationError
 
 from kvgate.protocol import step as wire
+from kvgate.protocol.session import wall_clock_ms
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,10 @@ class SessionLost(Exception):
 
 
 class EpochClock:
-    """Session epochs: wall-clock milliseconds, strictly increasing within this process."""
+    """Session epochs: wall-clock milliseconds, strictly increasing within this process (what
+    executors accept: :class:`~kvgate.protocol.session.EpochFence`)."""
 
-    def __init__(self, now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000) -> None:
+    def __init__(self, now_ms: Callable[[], int] = wall_clock_ms) -> None:
         self._now_ms = now_ms
         self._last = 0
 

@@ -21,7 +21,11 @@ log = logging.getLogger("kvgate.executor")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
-    parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="listen address (default 127.0.0.1; executor pods get 0.0.0.0 from the operator)",
+    )
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--device", help="torch device (default cuda when available, else cpu)")
     parser.add_argument(

@@ -131,3 +131,10 @@ def test_help_does_not_import_torch() -> None:
     assert done.returncode == 0, done.stderr
     assert "--model" in done.stdout and "--block-size" in done.stdout
     assert done.stdout.splitlines()[-1] == "imported: [] exit: 0"
+
+
+def test_the_executor_listens_on_loopback_unless_told_otherwise() -> None:
+    from kvgate.cli import build_parser
+
+    argv = ["executor", "--model", "m"]
+    assert build_parser(argv).parse_args(argv).host == "127.0.0.1"
