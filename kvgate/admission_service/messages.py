@@ -60,8 +60,14 @@ class RequestLoops(_Message):
         return self
 
 
+class ChatMessage(_Message):
+    role: Annotated[str, Field(min_length=1, max_length=64)]  # system, user, assistant, ...
+    content: str
+
+
 class InferenceRequest(_Message):
-    """One generation job. ``prompt`` is token ids, or text when the service has a tokenizer.
+    """One generation job: ``prompt`` (token ids, or text when the service has a tokenizer) or
+    ``messages`` (a conversation, rendered through the model's chat template); exactly one.
 
     ``priority``: lower is more important. ``deadline_unix_s``: wall-clock time (seconds since
     the epoch) after which the request is given up with ``finish_reason = "deadline"``.
@@ -70,13 +76,22 @@ class InferenceRequest(_Message):
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: RequestId
     prompt: (
-        Annotated[list[NonNegativeInt], Field(min_length=1)] | Annotated[str, Field(min_length=1)]
-    )
+        Annotated[list[NonNegativeInt], Field(min_length=1)]
+        | Annotated[str, Field(min_length=1)]
+        | None
+    ) = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     max_tokens: PositiveInt = 16
     priority: int = 0
     sampling: RequestSampling = RequestSampling()
     loops: RequestLoops = RequestLoops()
     deadline_unix_s: Annotated[float, Field(gt=0.0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> InferenceRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
 
 class AbortRequest(_Message):
@@ -140,6 +155,7 @@ class RejectCode(StrEnum):
     SCHEMA = "schema"
     UNSUPPORTED_VERSION = "unsupported_version"
     TEXT_WITHOUT_TOKENIZER = "text_without_tokenizer"
+    CHAT_TEMPLATE = "chat_template"  # messages, but no template or one that refuses them
     PROMPT_TOO_LONG = "prompt_too_long"
     MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
     PRIORITY_OUT_OF_RANGE = "priority_out_of_range"

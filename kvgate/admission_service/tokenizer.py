@@ -1,19 +1,28 @@
 """Text prompts and text results through a ``tokenizer.json`` (the ``tokenizers`` package).
 
-The service holds no model weights; it needs a tokenizer only to accept text prompts and to put
-text into results. Without one, text prompts are rejected with a reason saying so.
+The service holds no model weights; it needs a tokenizer only to accept text prompts and chat
+messages and to put text into results. Without one, text prompts are rejected with a reason
+saying so; a ``tokenizer_config.json`` beside the file supplies the chat template.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from kvgate.admission_service.chat import ChatTemplate, ChatTemplateError, load_chat_template
+from kvgate.admission_service.messages import ChatMessage
 
 
 class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        """Prompt text for a conversation; raises ChatTemplateError without a template."""
+        ...
 
 
 class TokenizerError(ValueError):
@@ -23,14 +32,23 @@ class TokenizerError(ValueError):
 class FileTokenizer:
     """A ``tokenizer.json``: encode without special tokens, decode skipping them."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat_template: ChatTemplate | None = None) -> None:
         self._tokenizer = tokenizer
+        self._chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        if self._chat_template is None:
+            raise ChatTemplateError(
+                "this service's tokenizer has no chat template (tokenizer_config.json with "
+                "chat_template beside limits.tokenizer_file); send a prompt instead"
+            )
+        return self._chat_template.render(messages)
 
 
 def load_tokenizer(path: Path) -> FileTokenizer:
@@ -43,6 +61,10 @@ def load_tokenizer(path: Path) -> FileTokenizer:
     if not path.is_file():
         raise TokenizerError(f"limits.tokenizer_file: {path} is not a file")
     try:
-        return FileTokenizer(Tokenizer.from_file(str(path)))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # the library raises a bare Exception for malformed files
         raise TokenizerError(f"limits.tokenizer_file: {path} cannot be loaded: {exc}") from exc
+    try:
+        return FileTokenizer(tokenizer, load_chat_template(path))
+    except ChatTemplateError as exc:
+        raise TokenizerError(f"limits.tokenizer_file: {exc}") from exc

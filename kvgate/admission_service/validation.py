@@ -3,8 +3,8 @@
 Checks, in order (the first failure decides the reason)::
 
     size ≤ max_message_bytes → JSON object → schema_version known → InferenceRequest schema
-    → text prompt only with a tokenizer → prompt ≤ max_prompt_tokens → max_tokens ≤ limit
-    → priority in [priority_min, priority_max]
+    → text prompt or messages only with a tokenizer (messages: through its chat template)
+    → prompt ≤ max_prompt_tokens → max_tokens ≤ limit → priority in [priority_min, priority_max]
 
 Capacity (fits an executor's cache, token ids inside its vocabulary) and duplicate in-flight ids
 are checked where that knowledge lives, at placement. A rejection carries the request id when
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from kvgate.admission_service.chat import ChatTemplateError
 from kvgate.admission_service.messages import (
     REQUEST_ID_PATTERN,
     SCHEMA_VERSION,
@@ -150,19 +151,25 @@ def validate_request(
     if request is None:
         return _classify_bad_request(record, limits.max_message_bytes)
     rid = request.request_id
-    if isinstance(request.prompt, str):
+    if isinstance(request.prompt, list):
+        token_ids = tuple(request.prompt)
+    else:
         if tokenizer is None:
             return Rejection(
                 RejectCode.TEXT_WITHOUT_TOKENIZER,
-                "the prompt is text but this service has no tokenizer "
-                "(send token ids, or configure limits.tokenizer_file)",
+                f"the {'prompt is text' if request.prompt else 'request has messages'} but this "
+                "service has no tokenizer (send token ids, or configure limits.tokenizer_file)",
                 rid,
             )
-        token_ids = tuple(tokenizer.encode(request.prompt))
+        text = request.prompt
+        if request.messages is not None:
+            try:
+                text = tokenizer.render_chat(request.messages)
+            except ChatTemplateError as exc:
+                return Rejection(RejectCode.CHAT_TEMPLATE, str(exc), rid)
+        token_ids = tuple(tokenizer.encode(text or ""))
         if not token_ids:
             return Rejection(RejectCode.SCHEMA, "the prompt text encodes to no tokens", rid)
-    else:
-        token_ids = tuple(request.prompt)
     if len(token_ids) > limits.max_prompt_tokens:
         return Rejection(
             RejectCode.PROMPT_TOO_LONG,

@@ -56,3 +56,30 @@ def test_special_tokens_and_the_chat_template_match_transformers(
     assert (specials.bos_token, specials.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert specials.eos_token == hf_tokenizer.eos_token
     assert specials.chat_template == hf_tokenizer.chat_template
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3×3 🙂?"},
+    ],
+    [{"role": "user", "content": "def f():\n    return '<|im_end|>'"}],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["one", "turns", "markup"])
+def test_the_service_renders_chat_as_transformers_does(
+    smollm2_dir: Path, hf_tokenizer: Any, conversation: list[dict[str, str]]
+) -> None:
+    from kvgate.admission_service.messages import ChatMessage
+
+    service = load_service_tokenizer(smollm2_dir / "tokenizer.json")
+    text = service.render_chat([ChatMessage.model_validate(m) for m in conversation])
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=False
+    )
+    assert text == expected
+    assert service.encode(text) == list(hf_tokenizer.encode(expected, add_special_tokens=False))
