@@ -28,7 +28,12 @@ log = logging.getLogger("kvgate.executor")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory or llama-architecture .gguf file")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="Hugging Face model directory or llama-architecture .gguf file",
+    )
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")

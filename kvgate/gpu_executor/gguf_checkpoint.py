@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,8 @@ def cached_conversion(path: Path, dtype: str = "float32") -> Path:
     The conversion runs into a temporary sibling and is renamed into place, so a crash or a
     concurrent conversion never leaves a half-written directory under the final name.
     """
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
     target = cache_root() / "models" / f"{path.stem}-{file_digest(path)[:16]}-{dtype}"
     if (target / CONVERTED_MARKER).is_file():
         return target
@@ -135,19 +138,32 @@ def cached_conversion(path: Path, dtype: str = "float32") -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", type=Path, help="a llama-architecture .gguf file")
-    parser.add_argument("out_dir", type=Path, help="the directory to write (must not exist)")
+    parser.add_argument(
+        "out_dir", type=Path, nargs="?", help="the directory to write (must not exist)"
+    )
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help=f"convert into ${CACHE_ENV}/models (once) instead; prints the directory",
+    )
     parser.add_argument("--dtype", choices=list(_DTYPES), default="float32")
 
 
 def run(args: argparse.Namespace) -> int:
-    """``kvgate convert MODEL.gguf OUT_DIR``."""
-    if args.out_dir.exists():
-        print(f"error: {args.out_dir} already exists")
+    """``kvgate convert MODEL.gguf OUT_DIR`` or ``kvgate convert MODEL.gguf --cache``."""
+    if (args.out_dir is None) != args.cache:
+        print("kvgate convert: give OUT_DIR or --cache (one of them)", file=sys.stderr)
+        return 2
+    if args.out_dir is not None and args.out_dir.exists():
+        print(f"kvgate convert: {args.out_dir} already exists", file=sys.stderr)
         return 2
     try:
-        convert(args.gguf, args.out_dir, args.dtype)
+        if args.cache:
+            print(cached_conversion(args.gguf, args.dtype))
+        else:
+            convert(args.gguf, args.out_dir, args.dtype)
+            print(f"wrote {args.out_dir}")
     except CheckpointError as exc:
-        print(f"error: {exc}")
+        print(f"kvgate convert: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out_dir}")
     return 0

@@ -54,9 +54,7 @@ class SpecialTokens:
 def _pre_tokenizer(kind: str) -> Any:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if kind == "smollm":
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level
 
 

@@ -75,7 +75,12 @@ def test_valid_request_becomes_a_spec() -> None:
             "temperature: Extra inputs are not permitted",
             "extra",
         ),
-        ({"request_id": "noprompt"}, RejectCode.SCHEMA, "give exactly one of prompt and messages", "noprompt"),
+        (
+            {"request_id": "noprompt"},
+            RejectCode.SCHEMA,
+            "give exactly one of prompt and messages",
+            "noprompt",
+        ),
         ({"request_id": "empty", "prompt": []}, RejectCode.SCHEMA, "prompt", "empty"),
         ({"request_id": "neg", "prompt": [1, -3]}, RejectCode.SCHEMA, "prompt", "neg"),
         (

@@ -40,7 +40,9 @@ torch.set_num_threads(2)
 def smollm2_gguf() -> Path:
     path = packaged_gguf()
     if path is None:
-        pytest.skip(f"the packaged SmolLM2 model is not installed (make setup does: {INSTALL_HINT})")
+        pytest.skip(
+            f"the packaged SmolLM2 model is not installed (make setup does: {INSTALL_HINT})"
+        )
     return path
 
 

@@ -130,7 +130,10 @@ def test_convert_writes_a_directory_kvgate_and_transformers_load(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"architecture": "qwen3"}, "GGUF architecture 'qwen3' is not supported (supported: llama)"),
+        (
+            {"architecture": "qwen3"},
+            "GGUF architecture 'qwen3' is not supported (supported: llama)",
+        ),
         ({"override_kind": {"blk.0.attn_q.weight": Q.I32}}, "blk.0.attn_q.weight is stored as I32"),
         ({"tokenizer_model": "llama"}, "tokenizer.ggml.model 'llama' is not supported"),
     ],

@@ -50,7 +50,9 @@ def _prompts(hf_tokenizer: Any) -> dict[str, list[int]]:
         for i, text in enumerate(PLAIN)
     }
     for i, messages in enumerate(CHATS):
-        text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = hf_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         prompts[f"chat-{i}"] = list(hf_tokenizer.encode(text, add_special_tokens=False))
     return prompts
 
