@@ -48,7 +48,9 @@ from kvgate.admission_service.scheduler.events import (
     StepReport,
     TokenEvent,
 )
+from kvgate.admission_service.scheduler.request import FinishReason as SchedulerFinish
 from kvgate.admission_service.scheduler.scheduler import RequestProgress
+from kvgate.admission_service.stops import find_stop
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
 from kvgate.admission_service.tracking import (
@@ -322,6 +324,8 @@ class Engine:
             if isinstance(event, TokenEvent):
                 if tracked.first_token_at is None:
                     tracked.first_token_at = self._clock()
+                if tracked.request.stop and self._tokenizer is not None:
+                    self._stop_on_text(handle, tracked, event)
                 if (
                     token_stream
                     and not tracked.handed_off
@@ -340,6 +344,20 @@ class Engine:
                     continue
                 result = finished_result(tracked, event, self._clock(), self._tokenizer)
                 self._deliver(tracked, result)
+
+    def _stop_on_text(self, handle: ExecutorHandle, tracked: Tracked, event: TokenEvent) -> None:
+        """Finish the request (reason stop) once its text holds one of its stop strings."""
+        assert self._tokenizer is not None
+        if tracked.stop_text is not None or handle.scheduler is None:
+            return
+        tracked.output_token_ids.append(event.token_id)
+        text = self._tokenizer.decode(tracked.output_token_ids)
+        cut = find_stop(text, tracked.request.stop)
+        if cut is not None:
+            tracked.stop_text = text[:cut]
+            if handle.scheduler.abort(tracked.request_id, SchedulerFinish.STOP):
+                self.on_events(handle, handle.scheduler.pop_events())
+                handle.wake()
 
     def on_lifted(
         self, handle: ExecutorHandle, lifted: list[RequestProgress], failure: str | None

@@ -82,6 +82,11 @@ class InferenceRequest(_Message):
     ) = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     max_tokens: PositiveInt = 16
+    # Generation ends (finish_reason "stop") once the text contains one of these; the result's
+    # text ends before it. Needs the service's tokenizer.
+    stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] = Field(
+        default_factory=list
+    )
     priority: int = 0
     sampling: RequestSampling = RequestSampling()
     loops: RequestLoops = RequestLoops()

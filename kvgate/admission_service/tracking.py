@@ -56,6 +56,8 @@ class Tracked:
     tokens_out: int = 0
     failures: int = 0  # executors that failed while it was on them
     handed_off: bool = False  # its partition was revoked: another instance answers it
+    output_token_ids: list[int] = field(default_factory=list)  # kept when it has stop strings
+    stop_text: str | None = None  # the text before the stop string that ended it
 
     @property
     def request_id(self) -> str:
@@ -87,7 +89,13 @@ def finished_result(
         status=_STATUS[event.reason],
         finish_reason=FinishReason(event.reason.value),
         output_token_ids=outputs,
-        text=tokenizer.decode(outputs) if tokenizer is not None else None,
+        text=(
+            tracked.stop_text
+            if tracked.stop_text is not None
+            else tokenizer.decode(outputs)
+            if tokenizer is not None
+            else None
+        ),
         exit_depths=list(event.exit_depths),
         usage=Usage(
             prompt_tokens=len(tracked.spec.prompt_token_ids), completion_tokens=len(outputs)

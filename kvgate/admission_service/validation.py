@@ -170,6 +170,13 @@ def validate_request(
         token_ids = tuple(tokenizer.encode(text or ""))
         if not token_ids:
             return Rejection(RejectCode.SCHEMA, "the prompt text encodes to no tokens", rid)
+    if request.stop and tokenizer is None:
+        return Rejection(
+            RejectCode.TEXT_WITHOUT_TOKENIZER,
+            "stop strings need text, and this service has no tokenizer "
+            "(configure limits.tokenizer_file)",
+            rid,
+        )
     if len(token_ids) > limits.max_prompt_tokens:
         return Rejection(
             RejectCode.PROMPT_TOO_LONG,

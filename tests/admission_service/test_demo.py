@@ -21,7 +21,17 @@ def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "OTEL_"))}
     env |= {"PYTHONPATH": str(REPO), "COLUMNS": "120"}
     done = subprocess.run(
-        [sys.executable, "-m", "kvgate", "demo", "--requests", "12", "--out-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "kvgate",
+            "demo",
+            "--tiny",
+            "--requests",
+            "12",
+            "--out-dir",
+            str(tmp_path),
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,

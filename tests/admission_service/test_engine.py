@@ -322,3 +322,48 @@ async def test_request_failing_on_too_many_executors_is_failed() -> None:
     finally:
         backend.release()
         await rig.engine.close()
+
+
+class _AngleTokenizer:
+    """Token ``i`` is the text ``<i>``: a stop string can name one token exactly."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(piece) for piece in text.replace(">", "").split("<") if piece]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+    def render_chat(self, messages: object) -> str:
+        raise AssertionError("not used")
+
+
+async def test_a_stop_string_ends_generation_with_the_text_before_it() -> None:
+    rig = make_rig(tokenizer=_AngleTokenizer())
+    await rig.add_executors("a", num_blocks=64)
+    try:
+        body = request_body("s", max_tokens=12) | {"stop": ["<never>"]}
+        rig.submit(body)
+        await settle(rig, 1)
+        full = rig.sink.answers.pop("s")
+        assert full.finish_reason is FinishReason.LENGTH and len(full.output_token_ids) == 12
+        third = full.output_token_ids[2]
+        first = full.output_token_ids.index(third)  # the stop matches its first occurrence
+        rig.submit(request_body("s", max_tokens=12) | {"stop": ["<zzz>", f"<{third}>"]})
+        await settle(rig, 1)
+        stopped = rig.sink.answers["s"]
+        assert stopped.status is ResultStatus.COMPLETED
+        assert stopped.finish_reason is FinishReason.STOP
+        assert stopped.output_token_ids == full.output_token_ids[: first + 1]
+        assert stopped.text == "".join(f"<{t}>" for t in full.output_token_ids[:first])
+        assert stopped.usage.completion_tokens == first + 1
+    finally:
+        await rig.engine.close()
+
+
+async def test_stop_strings_without_a_tokenizer_are_rejected() -> None:
+    rig = make_rig()
+    rig.submit(request_body("s") | {"stop": ["."]})
+    await settle(rig, 1)
+    answer = rig.sink.answers["s"]
+    assert answer.status is ResultStatus.REJECTED
+    assert answer.reject_code is RejectCode.TEXT_WITHOUT_TOKENIZER
