@@ -56,6 +56,7 @@ from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
 from kvgate.admission_service.tracking import (
     Tracked,
     finished_result,
+    output_logprobs,
     rejected_result,
     unfinished_result,
 )
@@ -324,6 +325,8 @@ class Engine:
             if isinstance(event, TokenEvent):
                 if tracked.first_token_at is None:
                     tracked.first_token_at = self._clock()
+                if event.logprob is not None and event.output_index == len(tracked.logprobs):
+                    tracked.logprobs.append(output_logprobs(event, self._tokenizer))
                 if tracked.request.stop and self._tokenizer is not None:
                     self._stop_on_text(handle, tracked, event)
                 if (

@@ -87,6 +87,8 @@ class InferenceRequest(_Message):
     stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] = Field(
         default_factory=list
     )
+    # Each generated token's log-probability and this many most likely alternatives.
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     priority: int = 0
     sampling: RequestSampling = RequestSampling()
     loops: RequestLoops = RequestLoops()
@@ -169,6 +171,23 @@ class RejectCode(StrEnum):
     DUPLICATE = "duplicate"
 
 
+class TokenLogprob(_Message):
+    token_id: NonNegativeInt
+    logprob: float
+    token: str | None = None  # its text alone, when the service has a tokenizer
+
+
+class OutputLogprobs(_Message):
+    """One generated token: its log-probability and the most likely tokens at its position
+    (``top``, most likely first), under the model's distribution before temperature and filters.
+    """
+
+    token_id: NonNegativeInt
+    logprob: float
+    token: str | None = None
+    top: list[TokenLogprob] = Field(default_factory=list)
+
+
 class InferenceResult(_Message):
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: str
@@ -178,6 +197,7 @@ class InferenceResult(_Message):
     finish_reason: FinishReason | None = None
     output_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     text: str | None = None  # when the service has a tokenizer
+    logprobs: list[OutputLogprobs] | None = None  # when the request asked for them
     exit_depths: list[PositiveInt] = Field(default_factory=list)
     usage: Usage
     timings: Timings

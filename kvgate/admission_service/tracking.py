@@ -13,14 +13,16 @@ from kvgate.admission_service.messages import (
     FinishReason,
     InferenceRequest,
     InferenceResult,
+    OutputLogprobs,
     RejectCode,
     ResultStatus,
     SchedulingFacts,
     SourceRef,
     Timings,
+    TokenLogprob,
     Usage,
 )
-from kvgate.admission_service.scheduler.events import FinishedEvent
+from kvgate.admission_service.scheduler.events import FinishedEvent, TokenEvent
 from kvgate.admission_service.scheduler.request import FinishReason as SchedulerFinish
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import RequestProgress
@@ -58,6 +60,7 @@ class Tracked:
     handed_off: bool = False  # its partition was revoked: another instance answers it
     output_token_ids: list[int] = field(default_factory=list)  # kept when it has stop strings
     stop_text: str | None = None  # the text before the stop string that ended it
+    logprobs: list[OutputLogprobs] = field(default_factory=list)  # when asked for, by index
 
     @property
     def request_id(self) -> str:
@@ -95,6 +98,9 @@ def finished_result(
             else tokenizer.decode(outputs)
             if tokenizer is not None
             else None
+        ),
+        logprobs=(
+            tracked.logprobs[: len(outputs)] if tracked.request.logprobs is not None else None
         ),
         exit_depths=list(event.exit_depths),
         usage=Usage(
@@ -155,4 +161,22 @@ def rejected_result(
         usage=Usage(prompt_tokens=0, completion_tokens=0),
         timings=Timings(end_to_end_s=0.0),
         source=source,
+    )
+
+
+def output_logprobs(event: TokenEvent, tokenizer: TextCodec | None) -> OutputLogprobs:
+    """The result's logprobs entry for one token event that carries them."""
+
+    def text(token_id: int) -> str | None:
+        return tokenizer.decode([token_id]) if tokenizer is not None else None
+
+    assert event.logprob is not None
+    return OutputLogprobs(
+        token_id=event.token_id,
+        logprob=event.logprob,
+        token=text(event.token_id),
+        top=[
+            TokenLogprob(token_id=t.token_id, logprob=t.logprob, token=text(t.token_id))
+            for t in event.top_logprobs or []
+        ],
     )

@@ -244,6 +244,7 @@ def build_spec(accepted: Accepted, traceparent: str | None) -> RequestSpec:
             seed=sampling.seed,
             max_tokens=request.max_tokens,
             ignore_eos=sampling.ignore_eos,
+            logprobs=request.logprobs,
         ),
         loops=LoopParams.model_construct(
             min_loops=loops.min_loops,

@@ -4,7 +4,8 @@
 ``kvgate convert FILE.gguf OUT_DIR`` writes ``config.json``, ``model.safetensors``,
 ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) that transformers and
 ``kvgate executor --model OUT_DIR`` both load. :func:`cached_conversion` converts once into
-``$KVGATE_CACHE/models/<file digest>-<dtype>/`` (default ``~/.cache/kvgate``) for tests and the demo.
+``$KVGATE_CACHE/models/<name>-<file digest>-<dtype>/`` (default ``~/.cache/kvgate``), for the
+tests and the demo.
 """
 
 from __future__ import annotations

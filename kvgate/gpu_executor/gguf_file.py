@@ -6,7 +6,8 @@ storage type (F32, F16, or a block quantization such as Q8_0 / Q4_1). gguf-py re
 and dequantizes the blocks; this module maps the result onto the Hugging Face layout the rest of
 the executor speaks:
 
-- tensor names: ``blk.N.attn_q`` → ``model.layers.N.self_attn.q_proj`` and so on (``_TENSOR_NAMES``);
+- tensor names: ``blk.N.attn_q`` → ``model.layers.N.self_attn.q_proj`` and so on
+  (``_TENSOR_NAMES``);
 - RoPE rows: llama.cpp's converter reorders each head's q/k rows from rotate-half order (the
   first halves of all rotary pairs, then the second halves) to interleaved pairs
   (``x0 y0 x1 y1 ...``); :func:`unpermute_rope_rows` restores rotate-half order. Skipping it

@@ -22,8 +22,8 @@ from kvgate.admission_service.pool import SessionSettings
 from kvgate.admission_service.scheduler.config import PreemptionMode, SchedulerConfig
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.sim_executor import LocalConnector, SimExecutorConfig
-from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.validation import (
     Accepted,
     RawRecord,

@@ -367,3 +367,33 @@ async def test_stop_strings_without_a_tokenizer_are_rejected() -> None:
     answer = rig.sink.answers["s"]
     assert answer.status is ResultStatus.REJECTED
     assert answer.reject_code is RejectCode.TEXT_WITHOUT_TOKENIZER
+
+
+async def test_logprobs_arrive_once_per_token_through_preemption_and_moves() -> None:
+    """The simulated executor's logprob of the token at position p is -p/1000."""
+    bodies = mixed_workload()
+    for body in bodies[::2]:
+        body["logprobs"] = 1
+    rig = make_rig(tokenizer=_AngleTokenizer())
+    await rig.add_executors("a", "b", **SMALL)
+    for body in bodies:
+        rig.submit(body)
+    await settle(rig, len(bodies))
+    try:
+        answers = rig.sink.answers
+        assert sum(r.scheduling.preemptions for r in answers.values()) > 0
+        for i, body in enumerate(bodies):
+            result = answers[str(body["request_id"])]
+            if i % 2:
+                assert result.logprobs is None
+                continue
+            assert result.logprobs is not None
+            prompt_len = result.usage.prompt_tokens
+            assert [e.token_id for e in result.logprobs] == result.output_token_ids
+            assert [e.logprob for e in result.logprobs] == [
+                -(prompt_len + k) / 1000 for k in range(len(result.output_token_ids))
+            ]
+            assert all([t.token_id for t in e.top] == [e.token_id] for e in result.logprobs)
+            assert result.logprobs[0].token == f"<{result.output_token_ids[0]}>"
+    finally:
+        await rig.engine.close()

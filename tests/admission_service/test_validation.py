@@ -196,7 +196,7 @@ def test_spec_parameters_equal_validated_protocol_models() -> None:
     assert spec.loops == LoopParams.model_validate(spec.loops.model_dump())
     assert spec.sampling.model_dump() == {
         "temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11, "max_tokens": 7,
-        "ignore_eos": False,
+        "ignore_eos": False, "logprobs": None,
     }  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Small llama GGUF files written with gguf-py's writer, the way llama.cpp's converter lays them out.
+"""Small llama GGUF files written with gguf-py's writer, laid out as llama.cpp's converter does.
 
 The q/k row permutation below is written from the GGUF layout description (rotate-half rows to
 interleaved pairs, per head), independently of kvgate's inverse.
@@ -100,10 +100,9 @@ def write_llama_gguf(
         "q_proj": config["num_attention_heads"],
         "k_proj": config["num_key_value_heads"],
     }
-    for name, values in tensors.items():
+    for name, original in tensors.items():
         projection = name.split(".")[-2]
-        if projection in heads:
-            values = to_interleaved(values, heads[projection])
+        values = to_interleaved(original, heads[projection]) if projection in heads else original
         target = gguf_name(name)
         chosen = (override_kind or {}).get(target, kind if values.ndim == 2 else None)
         if chosen is None or chosen == gguf.GGMLQuantizationType.F32:

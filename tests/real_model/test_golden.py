@@ -196,3 +196,34 @@ def test_transformers_loads_the_converted_directory(
             pad_token_id=EOS,
         )
     assert generated[0, len(prompts["chat-0"]) :].tolist() == hf_greedy["chat-0"]
+
+
+def test_logprobs_match_transformers_log_softmax(
+    kvgate_smollm2: LoadedModel,
+    hf_model: Any,
+    prompts: dict[str, list[int]],
+    hf_greedy: dict[str, list[int]],
+) -> None:
+    prompt = prompts["chat-0"]
+    request = api.NewRequest(
+        request_id="lp",
+        prompt_token_ids=prompt,
+        sampling=api.SamplingParams(max_tokens=4, logprobs=5),
+    )
+    executor = Executor(kvgate_smollm2, num_blocks=16, block_size=16)
+    driver = Driver(executor, [(request, 1)], DriverConfig(chunk_size=16))
+    driver.run()
+    tokens = [t for result in driver.results for t in result.tokens]
+    assert [t.token_id for t in tokens] == hf_greedy["chat-0"][:4]
+    sequence = prompt + [t.token_id for t in tokens]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([sequence])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for token, row in zip(tokens, expected, strict=True):
+        assert token.logprob is not None and token.top_logprobs is not None
+        assert abs(token.logprob - float(row[token.token_id])) < LOGIT_ATOL
+        top = torch.topk(row, 5)
+        assert [t.token_id for t in token.top_logprobs] == top.indices.tolist()
+        for ours, theirs in zip(token.top_logprobs, top.values.tolist(), strict=True):
+            assert abs(ours.logprob - theirs) < LOGIT_ATOL
+        assert token.top_logprobs[0].token_id == token.token_id  # greedy: the top one

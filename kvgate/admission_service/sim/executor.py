@@ -33,6 +33,7 @@ from kvgate.gpu_executor.api import (
     StepError,
     StepPlan,
     StepResult,
+    TokenLogprob,
 )
 
 
@@ -377,8 +378,22 @@ class SimExecutor:
             request.outputs
         ) >= sampling.max_tokens:
             request.finished = True
+        if sampling.logprobs is None:
+            return SampledToken(
+                request_id=request.new.request_id,
+                position=position,
+                token_id=token,
+                exit_depth=depth,
+            )
+        # No model: a made-up log-probability that names the position it belongs to.
+        logprob = -position / 1000
         return SampledToken(
-            request_id=request.new.request_id, position=position, token_id=token, exit_depth=depth
+            request_id=request.new.request_id,
+            position=position,
+            token_id=token,
+            exit_depth=depth,
+            logprob=logprob,
+            top_logprobs=[TokenLogprob(token_id=token, logprob=logprob)][: sampling.logprobs],
         )
 
     def _prefill(
