@@ -154,3 +154,42 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
         load_model(path)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "missing.gguf")
+
+
+def test_sim_runs_the_real_executor_on_a_gguf_file(tiny_dir: Path, tmp_path: Path) -> None:
+    """``kvgate sim --executor real --model FILE.gguf``: scheduler and executor under pressure,
+    outputs equal to the unpaged reference."""
+    from kvgate.admission_service.scheduler.config import Mode, PreemptionMode
+    from kvgate.admission_service.sim.workload import CacheSection, ExitMode
+    from kvgate.sim_real import simulate_real
+    from tests.gpu_executor.test_sim_real import _workload
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir, kind=Q.Q8_0)
+    workload = _workload(PreemptionMode.AUTO, Mode.MIXED, False, ExitMode.FIXED, True)
+    workload = workload.model_copy(
+        update={"cache": CacheSection(num_blocks=10, block_size=2, host_snapshot_blocks=4)}
+    )
+    report = simulate_real(workload, path)
+    assert report.preemptions > 0
+    assert report.passed, report.to_text()
+
+
+def test_convert_into_the_cache_once(
+    tiny_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("KVGATE_CACHE", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir)
+    assert main(["convert", str(path), "--cache"]) == 0
+    first = Path(capsys.readouterr().out.strip())
+    assert first.parent == tmp_path / "cache" / "models" and (first / "config.json").is_file()
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert main(["convert", str(path), "--cache"]) == 0
+    assert Path(capsys.readouterr().out.strip()) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    assert main(["convert", str(path)]) == 2
+    assert "give OUT_DIR or --cache" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "missing.gguf"), "--cache"]) == 2
+    assert "does not exist" in capsys.readouterr().err
