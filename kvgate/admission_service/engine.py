@@ -353,6 +353,8 @@ class Engine:
         assert self._tokenizer is not None
         if tracked.stop_text is not None or handle.scheduler is None:
             return
+        if event.output_index != len(tracked.output_token_ids):
+            return  # not a new token (every output arrives once, in order)
         tracked.output_token_ids.append(event.token_id)
         text = self._tokenizer.decode(tracked.output_token_ids)
         cut = find_stop(text, tracked.request.stop)

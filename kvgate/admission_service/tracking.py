@@ -90,7 +90,12 @@ def finished_result(
     return InferenceResult(
         request_id=tracked.request_id,
         status=_STATUS[event.reason],
-        finish_reason=FinishReason(event.reason.value),
+        finish_reason=(
+            # A stop string completed by the last token allowed: still a stop.
+            FinishReason.STOP
+            if tracked.stop_text is not None and event.reason is SchedulerFinish.LENGTH
+            else FinishReason(event.reason.value)
+        ),
         output_token_ids=outputs,
         text=(
             tracked.stop_text

@@ -356,6 +356,14 @@ async def test_a_stop_string_ends_generation_with_the_text_before_it() -> None:
         assert stopped.output_token_ids == full.output_token_ids[: first + 1]
         assert stopped.text == "".join(f"<{t}>" for t in full.output_token_ids[:first])
         assert stopped.usage.completion_tokens == first + 1
+        # The last token allowed completes the stop string: still a stop, not a length finish.
+        rig.sink.answers.pop("s")
+        last = full.output_token_ids[first]
+        rig.submit(request_body("s", max_tokens=first + 1) | {"stop": [f"<{last}>"]})
+        await settle(rig, 1)
+        at_limit = rig.sink.answers["s"]
+        assert at_limit.finish_reason is FinishReason.STOP
+        assert at_limit.output_token_ids == full.output_token_ids[: first + 1]
     finally:
         await rig.engine.close()
 
