@@ -193,3 +193,37 @@ def test_convert_into_the_cache_once(
     assert "give OUT_DIR or --cache" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "missing.gguf"), "--cache"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_executor_process_serves_a_gguf_file(tiny_dir: Path, tmp_path: Path) -> None:
+    """``kvgate executor --model FILE.gguf``: ready, and the first token equals the source
+    directory's greedy token."""
+    import asyncio
+    import signal
+    import subprocess
+
+    from tests.gpu_executor.test_executor_cli import _command, _env, _free_port, _serve_one_plan
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir)
+    port = _free_port()
+    process = subprocess.Popen(
+        _command(path, port, "--num-blocks", "32"),
+        env=_env(KVGATE_EXECUTOR_TOKEN="t"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        result = asyncio.run(_serve_one_plan(port, "t"))
+        assert result.error is None
+        request = api.NewRequest(
+            request_id="r", prompt_token_ids=[1, 2, 3], sampling=api.SamplingParams(max_tokens=1)
+        )
+        expected = reference_generate(load_model(tiny_dir).model, request).output_token_ids
+        assert [t.token_id for t in result.tokens] == expected
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=30)
