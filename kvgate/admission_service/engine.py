@@ -44,10 +44,12 @@ from kvgate.admission_service.scheduler.events import (
     TokenEvent,
 )
 from kvgate.admission_service.scheduler.scheduler import RequestProgress
+from kvgate.admission_service.stops import find_stop
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
 from kvgate.admission_service.tracking import (
     Tracked,
+    output_logprobs,
 )
 from kvgate.admission_service.validation import Accepted, RawRecord, Rejection, build_spec
 from kvgate.protocol.admin import ExecutorSpec, ExecutorStatus
@@ -99,6 +101,7 @@ class Engine:
         self._tracer = tracer
         self.metrics = metrics
         self._clock = clock
+        self._tokenizer = tokenizer  # stop strings are found in the decoded text
         # One answer per id (idempotency.py): ids answered within the window.
         self.answered = AnsweredIds(600.0, 200_000) if answered is None else answered
         self._answers = Answers(
@@ -292,6 +295,10 @@ class Engine:
             if isinstance(event, TokenEvent):
                 if tracked.first_token_at is None:
                     tracked.first_token_at = self._clock()
+                if event.logprob is not None and event.output_index == len(tracked.logprobs):
+                    tracked.logprobs.append(output_logprobs(event, self._tokenizer))
+                if tracked.request.stop and self._tokenizer is not None:
+                    self._stop_on_text(handle, tracked, event)
                 if (
                     token_stream
                     and not tracked.handed_off
@@ -305,6 +312,20 @@ class Engine:
                     continue
                 self._release(tracked)
                 self._answers.finished(tracked, event)
+
+    def _stop_on_text(self, handle: ExecutorHandle, tracked: Tracked, event: TokenEvent) -> None:
+        """Finish the request (reason stop) once its text holds one of its stop strings."""
+        assert self._tokenizer is not None
+        if tracked.stop_text is not None:
+            return
+        if event.output_index != len(tracked.output_token_ids):
+            return  # not a new token (every output arrives once, in order)
+        tracked.output_token_ids.append(event.token_id)
+        text = self._tokenizer.decode(tracked.output_token_ids)
+        cut = find_stop(text, tracked.request.stop)
+        if cut is not None:
+            tracked.stop_text = text[:cut]
+            handle.abort(tracked.request_id, FinishReason.STOP)
 
     def on_lifted(
         self, handle: ExecutorHandle, lifted: list[RequestProgress], failure: str | None

@@ -51,6 +51,7 @@ from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import RequestProgress, Scheduler
 from kvgate.protocol import capacity
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
+from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.records import RejectCode
 from kvgate.protocol.step import ExecutorCounters, ExecutorInfo, StepPlan, StepResult
 
@@ -200,11 +201,11 @@ class ExecutorHandle:
         """The request left this executor (answered, handed off or moved): free its reservation."""
         self.reserved_blocks -= self._reserved.pop(request_id, 0)
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request queued or running here; its events reach the observer at once.
-        False when this executor does not hold it (it may still be unplaced)."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Finish a request queued or running here (cancelled, or ``stop`` on a stop string);
+        its events reach the observer at once. False when this executor does not hold it."""
         scheduler = self.scheduler
-        if scheduler is None or not scheduler.abort(request_id):
+        if scheduler is None or not scheduler.abort(request_id, reason):
             return False
         self._observer.on_events(self, scheduler.pop_events())
         self.wake()

@@ -64,7 +64,7 @@ from kvgate.admission_service.validation import (
     RawRecord,
     Rejection,
     check_request,
-    complete_text,
+    tokenized,
     validate_abort,
 )
 from kvgate.protocol.records import RejectCode
@@ -257,15 +257,14 @@ class Intake:
     ) -> None:
         assert self._tokenizer is not None
         try:
-            token_ids = await self._tokenizer.encode(pending.text)
+            limits = self.settings.limits
+            verdict = await self._tokenizer.call(lambda codec: tokenized(pending, codec, limits))
         except Exception as exc:  # a tokenizer error is about this prompt, never fatal
-            verdict: Accepted | Rejection = Rejection(
+            verdict = Rejection(
                 RejectCode.SCHEMA,
                 f"the prompt text cannot be tokenized: {exc}",
                 pending.request.request_id,
             )
-        else:
-            verdict = complete_text(pending, token_ids, self.settings.limits)
         if self.outbox.ledgers.get(record.partition) is not ledger:
             return  # revoked or fenced while it was tokenized: handed off
         if isinstance(verdict, Accepted):

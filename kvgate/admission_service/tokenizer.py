@@ -1,21 +1,32 @@
 """Text prompts and text results through a ``tokenizer.json`` (the ``tokenizers`` package).
 
-The service holds no model weights; it needs a tokenizer only to accept text prompts and to put
-text into results. Without one, text prompts are rejected with a reason saying so.
+The service holds no model weights; it needs a tokenizer only to accept text prompts and chat
+messages and to put text into results. Without one, text prompts are rejected with a reason
+saying so; a ``tokenizer_config.json`` beside the file supplies the chat template.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+from kvgate.admission_service.chat import ChatTemplate, ChatTemplateError, load_chat_template
+from kvgate.protocol.records import ChatMessage
+
+T = TypeVar("T")
 
 
 class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        """Prompt text for a conversation; raises ChatTemplateError without a template."""
+        ...
 
 
 class TokenizerError(ValueError):
@@ -25,14 +36,23 @@ class TokenizerError(ValueError):
 class FileTokenizer:
     """A ``tokenizer.json``: encode without special tokens, decode skipping them."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat_template: ChatTemplate | None = None) -> None:
         self._tokenizer = tokenizer
+        self._chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        if self._chat_template is None:
+            raise ChatTemplateError(
+                "this service's tokenizer has no chat template (tokenizer_config.json with "
+                "chat_template beside limits.tokenizer_file); send a prompt instead"
+            )
+        return self._chat_template.render(messages)
 
 
 def load_tokenizer(path: Path) -> FileTokenizer:
@@ -45,9 +65,13 @@ def load_tokenizer(path: Path) -> FileTokenizer:
     if not path.is_file():
         raise TokenizerError(f"limits.tokenizer_file: {path} is not a file")
     try:
-        return FileTokenizer(Tokenizer.from_file(str(path)))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # the library raises a bare Exception for malformed files
         raise TokenizerError(f"limits.tokenizer_file: {path} cannot be loaded: {exc}") from exc
+    try:
+        return FileTokenizer(tokenizer, load_chat_template(path))
+    except ChatTemplateError as exc:
+        raise TokenizerError(f"limits.tokenizer_file: {exc}") from exc
 
 
 class TokenizerThreads:
@@ -59,9 +83,10 @@ class TokenizerThreads:
         self._codec = codec
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvgate-tokenize")
 
-    async def encode(self, text: str) -> list[int]:
+    async def call(self, work: Callable[[TextCodec], T]) -> T:
+        """``work(codec)`` on a worker thread (tokenizing, rendering a chat template)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._codec.encode, text)
+        return await loop.run_in_executor(self._pool, work, self._codec)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

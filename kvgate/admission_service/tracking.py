@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from kvgate.admission_service.scheduler.events import FinishedEvent
+from kvgate.admission_service.scheduler.events import FinishedEvent, TokenEvent
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import RequestProgress
 from kvgate.admission_service.tokenizer import TextCodec
@@ -18,11 +18,13 @@ from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.records import (
     InferenceRequest,
     InferenceResult,
+    OutputLogprobs,
     RejectCode,
     ResultStatus,
     SchedulingFacts,
     SourceRef,
     Timings,
+    TokenLogprob,
     Usage,
 )
 
@@ -54,6 +56,9 @@ class Tracked:
     tokens_out: int = 0
     failures: int = 0  # executors that failed while it was on them
     handed_off: bool = False  # its partition was revoked: another instance answers it
+    output_token_ids: list[int] = field(default_factory=list)  # kept when it has stop strings
+    stop_text: str | None = None  # the text before the stop string that ended it
+    logprobs: list[OutputLogprobs] = field(default_factory=list)  # when asked for, by index
 
     @property
     def request_id(self) -> str:
@@ -83,9 +88,23 @@ def finished_result(
     return InferenceResult(
         request_id=tracked.request_id,
         status=_STATUS[event.reason],
-        finish_reason=FinishReason(event.reason.value),
+        finish_reason=(
+            # A stop string completed by the last token allowed: still a stop.
+            FinishReason.STOP
+            if tracked.stop_text is not None and event.reason is FinishReason.LENGTH
+            else FinishReason(event.reason.value)
+        ),
         output_token_ids=outputs,
-        text=tokenizer.decode(outputs) if tokenizer is not None else None,
+        text=(
+            tracked.stop_text
+            if tracked.stop_text is not None
+            else tokenizer.decode(outputs)
+            if tokenizer is not None
+            else None
+        ),
+        logprobs=(
+            tracked.logprobs[: len(outputs)] if tracked.request.logprobs is not None else None
+        ),
         exit_depths=list(event.exit_depths),
         usage=Usage(
             prompt_tokens=len(tracked.spec.prompt_token_ids), completion_tokens=len(outputs)
@@ -145,4 +164,22 @@ def rejected_result(
         usage=Usage(prompt_tokens=0, completion_tokens=0),
         timings=Timings(end_to_end_s=0.0),
         source=source,
+    )
+
+
+def output_logprobs(event: TokenEvent, tokenizer: TextCodec | None) -> OutputLogprobs:
+    """The result's logprobs entry for one token event that carries them."""
+
+    def text(token_id: int) -> str | None:
+        return tokenizer.decode([token_id]) if tokenizer is not None else None
+
+    assert event.logprob is not None
+    return OutputLogprobs(
+        token_id=event.token_id,
+        logprob=event.logprob,
+        token=text(event.token_id),
+        top=[
+            TokenLogprob(token_id=t.token_id, logprob=t.logprob, token=text(t.token_id))
+            for t in event.top_logprobs or []
+        ],
     )

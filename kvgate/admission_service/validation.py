@@ -4,7 +4,8 @@ Checks, in order (the first failure decides the reason)::
 
     size ≤ max_message_bytes → UTF-8 (no byte-order mark) → JSON (RFC 8259: no NaN or
     Infinity) object → schema_version the integer 1 → InferenceRequest schema (exact types)
-    → text prompt only with a tokenizer, and ≤ max_prompt_chars → (text: tokenized, off the
+    → text prompt or messages only with a tokenizer, and ≤ max_prompt_chars → stop strings
+    only with a tokenizer → (text: messages through the chat template, then tokenized, off the
     event loop, see ``intake.py``) → prompt ≤ max_prompt_tokens → max_tokens ≤ limit
     → priority in [priority_min, priority_max]
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from kvgate.admission_service.chat import ChatTemplateError
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.tokenizer import TextCodec
@@ -75,15 +77,10 @@ class Accepted:
 
 @dataclass(frozen=True, slots=True)
 class NeedsTokens:
-    """A valid request whose text prompt must be tokenized before its last checks
-    (:func:`complete_text`)."""
+    """A valid request whose text prompt or messages must be tokenized before its last checks
+    (:func:`tokenized`)."""
 
     request: InferenceRequest
-
-    @property
-    def text(self) -> str:
-        assert isinstance(self.request.prompt, str)
-        return self.request.prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +204,7 @@ def validate_request(
     verdict = check_request(record, limits, has_tokenizer=tokenizer is not None)
     if isinstance(verdict, NeedsTokens):
         assert tokenizer is not None
-        return complete_text(verdict, tokenizer.encode(verdict.text), limits)
+        return tokenized(verdict, tokenizer, limits)
     return verdict
 
 
@@ -225,23 +222,57 @@ def check_request(
     if request is None:
         return _classify_bad_request(record, limits.max_message_bytes)
     rid = request.request_id
-    if isinstance(request.prompt, str):
-        if not has_tokenizer:
-            return Rejection(
-                RejectCode.TEXT_WITHOUT_TOKENIZER,
-                "the prompt is text but this service has no tokenizer "
-                "(send token ids, or configure limits.tokenizer_file)",
-                rid,
-            )
-        if len(request.prompt) > limits.prompt_char_limit:
-            return Rejection(
-                RejectCode.PROMPT_TOO_LONG,
-                f"the prompt has {len(request.prompt)} characters; at most "
-                f"{limits.prompt_char_limit} are tokenized (limits.max_prompt_chars)",
-                rid,
-            )
-        return NeedsTokens(request)
-    return _checked(request, tuple(request.prompt), limits)
+    if request.stop and not has_tokenizer:
+        return Rejection(
+            RejectCode.TEXT_WITHOUT_TOKENIZER,
+            "stop strings need text, and this service has no tokenizer "
+            "(configure limits.tokenizer_file)",
+            rid,
+        )
+    if isinstance(request.prompt, list):
+        return _checked(request, tuple(request.prompt), limits)
+    if not has_tokenizer:
+        return Rejection(
+            RejectCode.TEXT_WITHOUT_TOKENIZER,
+            f"the {'prompt is text' if request.prompt else 'request has messages'} but this "
+            "service has no tokenizer (send token ids, or configure limits.tokenizer_file)",
+            rid,
+        )
+    chars = _text_chars(request)
+    if chars > limits.prompt_char_limit:
+        return Rejection(
+            RejectCode.PROMPT_TOO_LONG,
+            f"the prompt has {chars} characters; at most {limits.prompt_char_limit} are "
+            "tokenized (limits.max_prompt_chars)",
+            rid,
+        )
+    return NeedsTokens(request)
+
+
+def _text_chars(request: InferenceRequest) -> int:
+    if request.messages is not None:
+        return sum(len(message.content) for message in request.messages)
+    return len(request.prompt or "")
+
+
+def prompt_token_ids(codec: TextCodec, request: InferenceRequest) -> list[int]:
+    """A text request's prompt tokens: its text, or its messages through the chat template
+    (raises ChatTemplateError). Slow for long texts: the service runs it off its event loop."""
+    if request.messages is not None:
+        return codec.encode(codec.render_chat(request.messages))
+    assert isinstance(request.prompt, str)
+    return codec.encode(request.prompt)
+
+
+def tokenized(
+    pending: NeedsTokens, codec: TextCodec, limits: LimitsSettings
+) -> Accepted | Rejection:
+    """Tokenize a pending text request and finish its checks (on whatever thread calls it)."""
+    try:
+        token_ids = prompt_token_ids(codec, pending.request)
+    except ChatTemplateError as exc:
+        return Rejection(RejectCode.CHAT_TEMPLATE, str(exc), pending.request.request_id)
+    return complete_text(pending, token_ids, limits)
 
 
 def complete_text(
@@ -326,6 +357,7 @@ def build_spec(accepted: Accepted, traceparent: str | None) -> RequestSpec:
             seed=sampling.seed,
             max_tokens=request.max_tokens,
             ignore_eos=sampling.ignore_eos,
+            logprobs=request.logprobs,
         ),
         loops=LoopParams.model_construct(
             min_loops=loops.min_loops,

@@ -20,7 +20,12 @@ log = logging.getLogger("kvgate.executor")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="Hugging Face model directory or llama-architecture .gguf file",
+    )
     parser.add_argument(
         "--host",
         default="127.0.0.1",

@@ -1,4 +1,4 @@
-"""Loading a model directory: config.json + safetensors (+ tokenizer.json when present)."""
+"""Loading a model: a directory (config.json + safetensors (+ tokenizer.json)) or a .gguf file."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from kvgate.gpu_executor.config import CheckpointError, load_config
+from kvgate.gpu_executor.gguf_checkpoint import is_gguf, read_gguf_checkpoint
 from kvgate.gpu_executor.model import Model, assemble_weights
 from kvgate.gpu_executor.tokenizer import TextTokenizer, load_tokenizer
 from kvgate.gpu_executor.weights import read_checkpoint
@@ -50,8 +51,10 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: DTypeChoice = AUTO_DTYPE,
 ) -> LoadedModel:
-    """Read and check a model directory; raises CheckpointError with the reason."""
+    """Read and check a model directory or GGUF file; raises CheckpointError with the reason."""
     path = Path(model_dir)
+    if is_gguf(path):
+        return _load_gguf(path, torch.device(device), dtype)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     config = load_config(path)
@@ -64,3 +67,11 @@ def load_model(
             f"tokenizer.json has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
         )
     return LoadedModel(Model(config, assemble_weights(config, tensors)), tokenizer, path)
+
+
+def _load_gguf(path: Path, device: torch.device, dtype: DTypeChoice) -> LoadedModel:
+    torch_dtype = resolve_dtype(dtype, device, None)
+    checkpoint = read_gguf_checkpoint(path, torch_dtype, device)
+    config = checkpoint.config
+    model = Model(config, assemble_weights(config, checkpoint.tensors))
+    return LoadedModel(model, TextTokenizer(checkpoint.tokenizer), path)

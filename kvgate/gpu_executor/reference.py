@@ -164,3 +164,21 @@ def reference_generate(
                 emit(hidden, position + 1, depth)
                 break
     return result
+
+
+@torch.inference_mode()
+def reference_logits(model: Model, token_ids: list[int], prefill_len: int) -> torch.Tensor:
+    """fp32 logits ``[len(token_ids) - prefill_len + 1, V]`` of a plain (one-loop) model: the
+    prefill of ``token_ids[:prefill_len]`` predicting the next token, then one decode step per
+    remaining token, each predicting the one after it."""
+    if model.num_loops != 1:
+        raise ValueError("reference_logits covers one-loop models only")
+    if not 1 <= prefill_len <= len(token_ids):
+        raise ValueError(f"prefill_len {prefill_len} outside 1..{len(token_ids)}")
+    seq = _Sequence(model, len(token_ids))
+    prompt = torch.tensor(token_ids[:prefill_len], device=model.device)
+    rows = [model.logits(seq.core_pass(model.embed(prompt), 0, 1)[-1:])]
+    for position in range(prefill_len, len(token_ids)):
+        token = torch.tensor(token_ids[position : position + 1], device=model.device)
+        rows.append(model.logits(seq.core_pass(model.embed(token), position, 1)))
+    return torch.cat(rows)

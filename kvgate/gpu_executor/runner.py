@@ -19,6 +19,7 @@ K/V copied into the deeper planes (LAST_EXITED), before any deeper pass can read
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from kvgate.gpu_executor.exit_policy import decide, uses_gate
 from kvgate.gpu_executor.kv_cache import KVCache
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import DecodeCursor, PendingHidden, RequestState, is_finished
-from kvgate.gpu_executor.sampler import SampleRow, sample
+from kvgate.gpu_executor.sampler import SampleRow, sample, token_logprobs
 from kvgate.gpu_executor.timing import KernelTimer
 from kvgate.protocol.enums import ExitPolicy
 from kvgate.protocol.step import PrefillRow, SampledToken
@@ -92,6 +93,21 @@ def _start_levels(rows: list[tuple[RequestState, PrefillRow]]) -> list[int]:
             last_level[(state.request_id, depth)] = start + depth - row.depth_first
         starts.append(start)
     return starts
+
+
+def _logprob_fields(
+    logits: torch.Tensor | None, rows: list[SampleRow], tokens: list[int]
+) -> list[dict[str, Any]]:
+    """Per sampled row: the SampledToken logprob fields its request asked for (else none)."""
+    fields: list[dict[str, Any]] = []
+    for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+        top_n = row.params.logprobs
+        if top_n is None or logits is None:
+            fields.append({})
+            continue
+        logprob, top = token_logprobs(logits[i], token, top_n)
+        fields.append({"logprob": logprob, "top_logprobs": top})
+    return fields
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:
@@ -346,7 +362,9 @@ class StepRunner:
                 SampleRow(row.state.request_id, row.cursor.position + 1, row.state.sampling)
             )
             hidden.append(row.out)
-        tokens = sample(self.model.logits(torch.cat(hidden)), rows) if rows else []
+        logits = self.model.logits(torch.cat(hidden)) if rows else None
+        tokens = sample(logits, rows) if logits is not None else []
+        extras = iter(_logprob_fields(logits, rows, tokens))
         sampled = iter(tokens)
         num_loops = self.model.num_loops
         for fill in fills:
@@ -359,10 +377,14 @@ class StepRunner:
                         position=len(state.prompt),
                         token_id=state.outputs[-1],
                         exit_depth=num_loops,
+                        **next(extras),
                     )
                 )
         for row in decodes:
-            self._advance_cursor(row, next(sampled) if row.exited else None, outcome)
+            if row.exited:
+                self._advance_cursor(row, next(sampled), outcome, next(extras))
+            else:
+                self._advance_cursor(row, None, outcome, {})
 
     def _finish_fill_row(self, fill: _FillRow, token: int | None) -> None:
         state, row = fill.state, fill.row
@@ -383,7 +405,13 @@ class StepRunner:
                 state.exit_depths.append(state.num_loops)
             state.finish_fill(self.eos_token_id)
 
-    def _advance_cursor(self, row: _DecodeRow, token: int | None, outcome: RowOutcomes) -> None:
+    def _advance_cursor(
+        self,
+        row: _DecodeRow,
+        token: int | None,
+        outcome: RowOutcomes,
+        extras: dict[str, Any],
+    ) -> None:
         state, cursor = row.state, row.cursor
         if token is None:
             assert row.out is not None
@@ -401,5 +429,6 @@ class StepRunner:
                 position=cursor.position + 1,
                 token_id=token,
                 exit_depth=cursor.depth,
+                **extras,
             )
         )

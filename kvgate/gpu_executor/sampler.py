@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgate.protocol.step import SamplingParams
+from kvgate.protocol.step import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,20 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
             probs = filtered_probs(logits[i], row.params)
             tokens[i] = draw(probs, draw_seed(row.params.seed, row.request_id, row.position))
     return [t for t in tokens if t is not None]
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_id: int, top_n: int
+) -> tuple[float, list[TokenLogprob]]:
+    """The log-softmax of fp32 ``logits [V]`` at ``token_id``, and its ``top_n`` largest entries."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, top_n) if top_n else None
+    alternatives = (
+        []
+        if top is None
+        else [
+            TokenLogprob(token_id=int(i), logprob=float(v))
+            for v, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+        ]
+    )
+    return float(logprobs[token_id]), alternatives

@@ -1,10 +1,14 @@
 """``kvgate demo``: the whole system on this machine, a workload through it, a report.
 
-Starts the embedded Kafka broker, one CPU executor with a tiny model and the admission service
-(``stack.py``); produces a mixed-priority workload that puts the KV cache under pressure (plus
-one request too large for the cache and one malformed record); follows ``kvgate.results`` with
-a progress bar; prints a summary table; writes every span of the admission service to
-``<out>/spans.jsonl`` and a timeline plot to ``<out>/timeline.png``.
+Starts the embedded Kafka broker, one CPU executor and the admission service (``stack.py``);
+produces a mixed-priority workload that puts the KV cache under pressure (plus one request too
+large for the cache and one malformed record); follows ``kvgate.results`` with a progress bar;
+prints a summary table and a few prompts with their completions; writes every span of the
+admission service to ``<out>/spans.jsonl`` and a timeline plot to ``<out>/timeline.png``.
+
+The model is the packaged SmolLM2-135M-Instruct (converted into the cache on first use) with
+text and chat prompts; ``--tiny`` serves a small random model with token-id prompts instead
+(fast, for tests); ``--model`` / ``--model-dir`` serve another GGUF file or model directory.
 
 Exit status: 0 when every request with a readable id was answered, 1 when any was lost, 2 when
 the stack could not start.
@@ -17,6 +21,7 @@ import asyncio
 import logging
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -28,9 +33,12 @@ from opentelemetry.trace import SpanKind
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
+from kvgate.gpu_executor.packaged import require_packaged_gguf
 from kvgate.local.demo_report import (
     DemoRequest,
+    demo_text_workload,
     demo_workload,
     plot_timeline,
     summarize,
@@ -46,21 +54,65 @@ DEFAULT_OUT = Path("kvgate-demo-out")
 log = logging.getLogger("kvgate.demo")
 
 
+@dataclass(frozen=True)
+class DemoLimits:
+    """Workload size and the executor's and scheduler's limits; defaults per kind of model."""
+
+    requests: int
+    num_blocks: int  # KV cache blocks of 16 tokens: small enough to force preemptions
+    max_num_seqs: int
+    chunk_size: int  # prefill chunk, tokens
+    threads: int  # the executor's torch threads
+
+
+# The tiny model is all overhead: one thread, many requests. SmolLM2 (135 M parameters, 30
+# layers) on 2 cores: 2 threads, a dozen requests, 14 blocks (224 tokens) for up to 6 sequences
+# of ~30-70 tokens each, so the cache runs out and requests are preempted.
+TINY_LIMITS = DemoLimits(requests=32, num_blocks=48, max_num_seqs=8, chunk_size=64, threads=1)
+REAL_LIMITS = DemoLimits(requests=12, num_blocks=14, max_num_seqs=6, chunk_size=32, threads=2)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=32, help="workload size (default 32)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--tiny", action="store_true", help="a small random model instead")
+    model.add_argument("--model", type=Path, help="a llama GGUF file (default: SmolLM2)")
+    model.add_argument("--model-dir", type=Path, help="an existing model directory")
+    parser.add_argument("--family", choices=["llama", "looped"], default="llama", help="--tiny")
+    parser.add_argument("--requests", type=int, help="workload size (32 tiny, 12 real)")
+    parser.add_argument("--num-blocks", type=int, help="KV cache blocks (48 tiny, 14 real)")
+    parser.add_argument("--max-num-seqs", type=int, help="running sequences (8 tiny, 6 real)")
+    parser.add_argument("--chunk-size", type=int, help="prefill chunk tokens (64 tiny, 32 real)")
+    parser.add_argument("--threads", type=int, help="executor torch threads (1 tiny, 2 real)")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--model-dir", type=Path, help="an existing model (default: a tiny one)")
-    parser.add_argument("--family", choices=["llama", "looped"], default="llama")
-    parser.add_argument("--num-blocks", type=int, default=48, help="executor KV cache blocks")
-    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--no-bad-input", action="store_true", help="only valid requests")
+
+
+def demo_limits(args: argparse.Namespace) -> DemoLimits:
+    base = TINY_LIMITS if args.tiny else REAL_LIMITS
+    chosen = {
+        "requests": args.requests,
+        "num_blocks": args.num_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "chunk_size": args.chunk_size,
+        "threads": args.threads,
+    }
+    return replace(base, **{k: v for k, v in chosen.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-    if args.requests < 1:
-        print("kvgate demo: --requests must be at least 1", file=sys.stderr)
+    limits = demo_limits(args)
+    if min(limits.requests, limits.num_blocks, limits.max_num_seqs, limits.threads) < 1:
+        print("kvgate demo: sizes and counts must be at least 1", file=sys.stderr)
         return 2
+    gguf = args.model
+    if not (args.tiny or args.model_dir or gguf):
+        try:
+            gguf = require_packaged_gguf()
+        except FileNotFoundError as exc:
+            print(f"kvgate demo: {exc} (or run kvgate demo --tiny)", file=sys.stderr)
+            return 2
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     spans_path = out_dir / "spans.jsonl"
@@ -70,20 +122,28 @@ def run(args: argparse.Namespace) -> int:
     trace.set_tracer_provider(provider)
     console = Console()
     try:
-        return asyncio.run(_demo(args, console))
+        return asyncio.run(_demo(args, limits, gguf, console))
     finally:
         provider.shutdown()
 
 
-async def _demo(args: argparse.Namespace, console: Console) -> int:
+async def _demo(
+    args: argparse.Namespace, limits: DemoLimits, gguf: Path | None, console: Console
+) -> int:
     options = StackOptions(
         out_dir=args.out_dir,
         model_dir=args.model_dir,
+        model_gguf=gguf,
         family=args.family,
-        num_blocks=args.num_blocks,
+        num_blocks=limits.num_blocks,
+        max_num_seqs=limits.max_num_seqs,
+        prefill_chunk_size=limits.chunk_size,
+        max_num_batched_tokens=max(256, limits.chunk_size),
+        executor_threads=limits.threads,
         timeline_steps=100_000,
     )
-    workload = demo_workload(args.requests, with_bad_input=not args.no_bad_input)
+    make_workload = demo_workload if args.tiny else demo_text_workload
+    workload = make_workload(limits.requests, with_bad_input=not args.no_bad_input)
     console.print(f"[bold]kvgate demo[/bold]: {len(workload)} records, output in {args.out_dir}/")
     started = time.monotonic()
     try:
@@ -109,6 +169,9 @@ async def _demo(args: argparse.Namespace, console: Console) -> int:
     for name, value in summary_rows(summary):
         table.add_row(name, value)
     console.print(table)
+    completions = _completions_table(workload, results)
+    if completions is not None:
+        console.print(completions)
     plot_path = args.out_dir / "timeline.png"
     if samples:
         plot_timeline(samples, kv_total, plot_path)
@@ -117,6 +180,29 @@ async def _demo(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{len(summary.lost)} requests were lost:[/red] {summary.lost}")
         return 1
     return 0
+
+
+def _completions_table(
+    workload: list[DemoRequest], results: dict[str, InferenceResult], count: int = 4
+) -> Table | None:
+    """A few completed prompts with their completions: half plain text, half chat."""
+    done = [r for r in workload if r.shown is not None and results.get(r.request_id)]
+    chats = [r for r in done if r.shown and r.shown.startswith("(chat)")]
+    plain = [r for r in done if r not in chats]
+    shown = plain[: count // 2] + chats[: count - count // 2]
+    if not shown:
+        return None
+    table = Table(title="prompts and completions", show_lines=True)
+    table.add_column("request")
+    table.add_column("prompt", max_width=40)
+    table.add_column("completion", max_width=60)
+    for request in sorted(shown, key=lambda r: r.request_id):
+        result = results[request.request_id]
+        # Text objects: model output is not rich markup.
+        table.add_row(
+            request.request_id, Text(request.shown or ""), Text((result.text or "").strip())
+        )
+    return table
 
 
 async def _run_workload(

@@ -45,6 +45,7 @@ class DemoRequest:
     request_id: str
     value: bytes
     expects_result: bool  # False for a record whose id cannot be read (only a dead letter)
+    shown: str | None = None  # the prompt as the summary shows it (text workloads)
 
 
 def demo_workload(count: int, *, seed: int = 7, with_bad_input: bool = True) -> list[DemoRequest]:
@@ -71,6 +72,56 @@ def demo_workload(count: int, *, seed: int = 7, with_bad_input: bool = True) -> 
         out.append(DemoRequest("demo-too-large", json.dumps(huge).encode(), True))
         # Not JSON: dead-lettered; its key still names it, so it is answered "rejected" too.
         out.append(DemoRequest("demo-malformed", b'{"request_id": "demo-malformed", ', True))
+    return out
+
+
+_PLAIN_PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:\n",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Kafka is a distributed event streaming platform that",
+    "A recipe for pancakes:\n1.",
+    "The planets of the solar system, in order, are",
+    "In a paged KV cache, each sequence",
+]
+_CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for writing clear code.",
+    "Explain what a queue is in one sentence.",
+    "Write a haiku about autumn.",
+    "What is 12 times 7?",
+    "Name two planets that have rings.",
+    "Why is the sky blue? Answer briefly.",
+    "Suggest a name for a friendly robot.",
+]
+
+
+def demo_text_workload(
+    count: int, *, seed: int = 7, with_bad_input: bool = True
+) -> list[DemoRequest]:
+    """``count`` text requests for a real model, three priorities: every other one is a chat
+    (``messages`` through the model's template), the rest plain text prompts; half greedy, half
+    sampled with a seed. Plus the same two bad records as :func:`demo_workload`."""
+    rng = random.Random(seed)
+    out: list[DemoRequest] = []
+    for i in range(count):
+        body: dict[str, Any] = {
+            "request_id": f"demo-{i:03d}",
+            "max_tokens": rng.randint(16, 40),
+            "priority": (0, 1, 2)[i % 3],
+            "sampling": {"seed": i, "temperature": 0.0 if i % 4 < 2 else 0.7, "top_p": 0.9},
+        }
+        if i % 2:
+            question = _CHAT_PROMPTS[(i // 2) % len(_CHAT_PROMPTS)]
+            body["messages"] = [{"role": "user", "content": question}]
+            shown = f"(chat) {question}"
+        else:
+            body["prompt"] = _PLAIN_PROMPTS[(i // 2) % len(_PLAIN_PROMPTS)]
+            shown = body["prompt"]
+        out.append(DemoRequest(body["request_id"], json.dumps(body).encode(), True, shown))
+    if with_bad_input:
+        out += demo_workload(0, with_bad_input=True)
     return out
 
 

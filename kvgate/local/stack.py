@@ -3,11 +3,12 @@
 ```
 EmbeddedBroker (Tansu, 127.0.0.1)  ◀──▶  AdmissionService (this process)  ──ws──▶  kvgate executor
                                                                                   (child process,
-                                                                                   CPU, tiny model)
+                                                                                   CPU)
 ```
 
-The tiny model is written once by ``kvgate make-tiny-model`` into the output directory and
-reused by later runs. The executor runs as a child process (it imports torch; this process
+The model is a GGUF file converted once into the cache (``kvgate convert --cache``), or a tiny
+random one written once by ``kvgate make-tiny-model`` into the output directory; later runs
+reuse either. The executor runs as a child process (it imports torch; this process
 never does). Tansu has no transactions, so the service runs at-least-once here
 (``exactly_once: off``) with the group timings Tansu needs.
 """
@@ -43,11 +44,15 @@ MODEL_MARKER = "config.json"
 class StackOptions:
     out_dir: Path
     model_dir: Path | None = None  # None: <out_dir>/model, written on first use
+    model_gguf: Path | None = None  # served converted from the cache (kvgate convert --cache)
     family: str = "llama"
     num_blocks: int = 48
     block_size: int = 16
     host_snapshot_blocks: int = 32
     max_num_seqs: int = 8
+    prefill_chunk_size: int = 64
+    max_num_batched_tokens: int = 256
+    executor_threads: int = 1
     broker_port: int | None = None
     executor_ready_timeout_s: float = 240.0
     timeline_steps: int = 0
@@ -82,6 +87,23 @@ async def ensure_tiny_model(options: StackOptions) -> Path:
     return model_dir
 
 
+async def ensure_model(options: StackOptions) -> Path:
+    """The directory the executor serves: the GGUF file's cached conversion, or a tiny model."""
+    if options.model_gguf is None:
+        return await ensure_tiny_model(options)
+    log_path = options.out_dir / "convert.log"
+    with log_path.open("wb") as sink:
+        process = await asyncio.create_subprocess_exec(
+            *_kvgate("convert", str(options.model_gguf), "--cache"),
+            stdout=subprocess.PIPE,
+            stderr=sink,
+        )
+        stdout, _ = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"converting {options.model_gguf} failed; see {log_path}")
+    return Path(stdout.decode().strip().splitlines()[-1])
+
+
 class ExecutorProcess:
     """``kvgate executor`` as a child process on 127.0.0.1."""
 
@@ -106,10 +128,10 @@ class ExecutorProcess:
             str(o.host_snapshot_blocks), "--executor-id", "executor-0", "--no-calibrate",
         )  # fmt: skip
         env = dict(os.environ, KVGATE_EXECUTOR_TOKEN=self.token, OTEL_SDK_DISABLED="true")
-        # One torch thread: the tiny model gains nothing from more, and on a small machine
-        # shared with the service and the broker extra threads only contend (30x slower steps
-        # measured on 2 cores).
-        env.setdefault("OMP_NUM_THREADS", "1")
+        # One torch thread by default: the tiny model gains nothing from more, and on a small
+        # machine shared with the service and the broker extra threads only contend (30x slower
+        # steps measured on 2 cores). A real model sets its own count.
+        env["OMP_NUM_THREADS"] = str(o.executor_threads)
         with self.log_path.open("wb") as sink:
             # Its own session: Ctrl-C reaches only the service, which stops it in order.
             self._process = subprocess.Popen(
@@ -174,8 +196,8 @@ def stack_settings(
         },
         "scheduler": {
             "max_num_seqs": options.max_num_seqs,
-            "max_num_batched_tokens": 256,
-            "prefill_chunk_size": 64,
+            "max_num_batched_tokens": options.max_num_batched_tokens,
+            "prefill_chunk_size": options.prefill_chunk_size,
         },
         "admin": {"host": "127.0.0.1", "port": 0, "token_file": str(_admin_token_file(options))},
         "executors": {
@@ -211,7 +233,7 @@ class LocalStack:
         self.options.out_dir.mkdir(parents=True, exist_ok=True)
         try:
             await self.broker.start_async()
-            model_dir = await ensure_tiny_model(self.options)
+            model_dir = await ensure_model(self.options)
             self.executor = ExecutorProcess(self.options, model_dir)
             self.executor.start()
             settings = stack_settings(

@@ -69,8 +69,14 @@ class RequestLoops(_Input):
         return self
 
 
+class ChatMessage(_Message):
+    role: Annotated[str, Field(min_length=1, max_length=64)]  # system, user, assistant, ...
+    content: str
+
+
 class InferenceRequest(_Input):
-    """One generation job. ``prompt`` is token ids, or text when the service has a tokenizer.
+    """One generation job: ``prompt`` (token ids, or text when the service has a tokenizer) or
+    ``messages`` (a conversation, rendered through the model's chat template); exactly one.
 
     ``priority``: lower is more important. ``deadline_unix_s``: wall-clock time (seconds since
     the epoch) after which the request is given up with ``finish_reason = "deadline"``.
@@ -79,13 +85,29 @@ class InferenceRequest(_Input):
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: RequestId
     prompt: (
-        Annotated[list[NonNegativeInt], Field(min_length=1)] | Annotated[str, Field(min_length=1)]
-    )
+        Annotated[list[NonNegativeInt], Field(min_length=1)]
+        | Annotated[str, Field(min_length=1)]
+        | None
+    ) = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     max_tokens: PositiveInt = 16
+    # Generation ends (finish_reason "stop") once the text contains one of these; the result's
+    # text ends before it. Needs the service's tokenizer.
+    stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] = Field(
+        default_factory=list
+    )
+    # Each generated token's log-probability and this many most likely alternatives.
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     priority: int = 0
     sampling: RequestSampling = RequestSampling()
     loops: RequestLoops = RequestLoops()
     deadline_unix_s: Annotated[float, Field(gt=0.0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> InferenceRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
 
 class AbortRequest(_Input):
@@ -142,12 +164,30 @@ class RejectCode(StrEnum):
     SCHEMA = "schema"
     UNSUPPORTED_VERSION = "unsupported_version"
     TEXT_WITHOUT_TOKENIZER = "text_without_tokenizer"
+    CHAT_TEMPLATE = "chat_template"  # messages, but no template or one that refuses them
     PROMPT_TOO_LONG = "prompt_too_long"
     MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
     PRIORITY_OUT_OF_RANGE = "priority_out_of_range"
     TOKEN_OUT_OF_VOCABULARY = "token_out_of_vocabulary"
     INFEASIBLE = "infeasible"
     DUPLICATE = "duplicate"
+
+
+class TokenLogprob(_Message):
+    token_id: NonNegativeInt
+    logprob: float
+    token: str | None = None  # its text alone, when the service has a tokenizer
+
+
+class OutputLogprobs(_Message):
+    """One generated token: its log-probability and the most likely tokens at its position
+    (``top``, most likely first), under the model's distribution before temperature and filters.
+    """
+
+    token_id: NonNegativeInt
+    logprob: float
+    token: str | None = None
+    top: list[TokenLogprob] = Field(default_factory=list)
 
 
 class InferenceResult(_Message):
@@ -159,6 +199,7 @@ class InferenceResult(_Message):
     finish_reason: FinishReason | None = None
     output_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     text: str | None = None  # when the service has a tokenizer
+    logprobs: list[OutputLogprobs] | None = None  # when the request asked for them
     exit_depths: list[PositiveInt] = Field(default_factory=list)
     usage: Usage
     timings: Timings

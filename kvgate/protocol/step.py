@@ -69,6 +69,8 @@ class SamplingParams(_Frozen):
     seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
     max_tokens: PositiveInt = 16
     ignore_eos: bool = False
+    # Return each sampled token's log-probability and the top ``logprobs`` alternatives.
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class LoopParams(_Frozen):
@@ -221,13 +223,25 @@ class StepPlan(_Frozen):
         )
 
 
+class TokenLogprob(_Frozen):
+    token_id: NonNegativeInt
+    logprob: float
+
+
 class SampledToken(_Frozen):
-    """A token that finished its passes: sampled from the pass at ``exit_depth``."""
+    """A token that finished its passes: sampled from the pass at ``exit_depth``.
+
+    With ``SamplingParams.logprobs``: ``logprob`` of the sampled token and ``top_logprobs`` (the
+    ``logprobs`` most likely tokens, most likely first) under the model's distribution, the
+    log-softmax of the logits before temperature and filters (what vLLM reports by default).
+    """
 
     request_id: str
     position: NonNegativeInt
     token_id: NonNegativeInt
     exit_depth: PositiveInt
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
 
 
 class DecodeOutcomes(_Frozen):

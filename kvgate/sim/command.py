@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="sim",
         help="the simulated executor, or the real one in-process (needs --model)",
     )
-    parser.add_argument("--model", type=Path, help="checkpoint directory for --executor real")
+    parser.add_argument(
+        "--model", type=Path, help="model directory or .gguf file for --executor real"
+    )
     parser.add_argument("--device", default="cpu", help="torch device for --executor real")
 
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             _importable_from_here()
         strategy = load_strategy(args.admission) if args.admission else None
         if args.executor == "real" and args.model is None:
-            raise ValueError("--executor real needs --model DIR")
+            raise ValueError("--executor real needs --model DIR_OR_GGUF")
     except (WorkloadError, ValueError, ImportError) as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2

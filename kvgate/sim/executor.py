@@ -32,6 +32,7 @@ from kvgate.protocol.step import (
     StepError,
     StepPlan,
     StepResult,
+    TokenLogprob,
 )
 from kvgate.sim.hashing import mix, text_hash
 from kvgate.sim.workload import ExitMode, ModelSection
@@ -330,8 +331,22 @@ class SimExecutor:
             request.outputs
         ) >= sampling.max_tokens:
             request.finished = True
+        if sampling.logprobs is None:
+            return SampledToken(
+                request_id=request.new.request_id,
+                position=position,
+                token_id=token,
+                exit_depth=depth,
+            )
+        # No model: a made-up log-probability that names the position it belongs to.
+        logprob = -position / 1000
         return SampledToken(
-            request_id=request.new.request_id, position=position, token_id=token, exit_depth=depth
+            request_id=request.new.request_id,
+            position=position,
+            token_id=token,
+            exit_depth=depth,
+            logprob=logprob,
+            top_logprobs=[TokenLogprob(token_id=token, logprob=logprob)][: sampling.logprobs],
         )
 
     def _prefill(

@@ -19,6 +19,7 @@ from kvgate.admission_service.executor_handle import SessionSettings
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.scheduler.config import PreemptionMode, SchedulerConfig
 from kvgate.admission_service.settings import LimitsSettings
+from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.validation import (
     Accepted,
@@ -114,11 +115,12 @@ class EngineRig:
     spans: InMemorySpanExporter
     limits: LimitsSettings
     offset: int = 0
+    tokenizer: TextCodec | None = None
 
     def submit(self, body: dict[str, Any], *, partition: int = 0) -> RawRecord:
         rec = record(body, self.offset, partition=partition)
         self.offset += 1
-        verdict = validate_request(rec, self.limits, None)
+        verdict = validate_request(rec, self.limits, self.tokenizer)
         if isinstance(verdict, Accepted):
             self.engine.submit(rec, verdict)
         else:
@@ -137,7 +139,11 @@ class EngineRig:
 
 
 def make_rig(
-    *, scheduler: SchedulerConfig | None = None, token_stream: bool = False, **limits: Any
+    *,
+    scheduler: SchedulerConfig | None = None,
+    token_stream: bool = False,
+    tokenizer: TextCodec | None = None,
+    **limits: Any,
 ) -> EngineRig:
     connector = LocalConnector()
     sink = RecordingSink()
@@ -158,8 +164,11 @@ def make_rig(
         sink=sink,
         tracer=ServiceTracer(provider.get_tracer("test")),
         metrics=ServiceMetrics(),
+        tokenizer=tokenizer,
     )
-    return EngineRig(engine, connector, sink, exporter, LimitsSettings(**limits))
+    return EngineRig(
+        engine, connector, sink, exporter, LimitsSettings(**limits), tokenizer=tokenizer
+    )
 
 
 async def until(

@@ -21,7 +21,17 @@ def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "OTEL_"))}
     env |= {"PYTHONPATH": str(REPO), "COLUMNS": "120"}
     done = subprocess.run(
-        [sys.executable, "-m", "kvgate", "demo", "--requests", "12", "--out-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "kvgate",
+            "demo",
+            "--tiny",
+            "--requests",
+            "12",
+            "--out-dir",
+            str(tmp_path),
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -49,3 +59,43 @@ def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) ->
     steps = [s for s in spans if s["name"] == "kvgate.step.round_trip"]
     assert steps and all(s["links"] or not s["attributes"]["kvgate.step.admissions"] for s in steps)
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_default_demo_serves_smollm2_text_and_chat(tmp_path: Path) -> None:
+    """Two requests (one plain text, one chat) through the packaged model, answered with text."""
+    from kvgate.gpu_executor.packaged import INSTALL_HINT, packaged_gguf
+
+    if packaged_gguf() is None:
+        pytest.skip(
+            f"the packaged SmolLM2 model is not installed (make setup does: {INSTALL_HINT})"
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env |= {"PYTHONPATH": str(REPO), "COLUMNS": "160"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvgate", "demo", "--requests", "2", "--out-dir", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert re.search(r"requests completed\s+│ 2 / 4 ", output), output
+    # demo-000 is "The capital of France is" (greedy), demo-001 the chat about the same.
+    assert re.search(r"demo-000 .*The capital of France is .*Paris", output), output
+    assert re.search(r"demo-001 .*\(chat\) What is the capital of .*Paris", output), output
+
+
+def test_the_text_workload_mixes_chat_and_plain_prompts_of_three_priorities() -> None:
+    from kvgate.local.demo_report import demo_text_workload
+    from kvgate.protocol.records import InferenceRequest
+
+    workload = demo_text_workload(12)
+    requests = [InferenceRequest.model_validate_json(r.value) for r in workload[:12]]
+    assert sum(r.messages is not None for r in requests) == 6
+    assert all(isinstance(r.prompt, str) for r in requests if r.messages is None)
+    assert {r.priority for r in requests} == {0, 1, 2}
+    assert {r.sampling.temperature > 0 for r in requests} == {True, False}
+    assert [r.request_id for r in workload[12:]] == ["demo-too-large", "demo-malformed"]

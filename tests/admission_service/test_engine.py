@@ -326,3 +326,90 @@ async def test_request_failing_on_too_many_executors_is_failed() -> None:
     finally:
         backend.release()
         await rig.engine.close()
+
+
+class _AngleTokenizer:
+    """Token ``i`` is the text ``<i>``: a stop string can name one token exactly."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(piece) for piece in text.replace(">", "").split("<") if piece]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+    def render_chat(self, messages: object) -> str:
+        raise AssertionError("not used")
+
+
+async def test_a_stop_string_ends_generation_with_the_text_before_it() -> None:
+    rig = make_rig(tokenizer=_AngleTokenizer())
+    await rig.add_executors("a", num_blocks=64)
+    try:
+        # One answer per id: each run is a new request with the same prompt (the simulated
+        # model's tokens depend on the prompt and seed, not on the id).
+        prompt = request_body("s")["prompt"]
+        body = request_body("s-full", prompt=prompt, max_tokens=12) | {"stop": ["<never>"]}
+        rig.submit(body)
+        await settle(rig, 1)
+        full = rig.sink.answers.pop("s-full")
+        assert full.finish_reason is FinishReason.LENGTH and len(full.output_token_ids) == 12
+        third = full.output_token_ids[2]
+        first = full.output_token_ids.index(third)  # the stop matches its first occurrence
+        stops = ["<zzz>", f"<{third}>"]
+        rig.submit(request_body("s-stop", prompt=prompt, max_tokens=12) | {"stop": stops})
+        await settle(rig, 1)
+        stopped = rig.sink.answers.pop("s-stop")
+        assert stopped.status is ResultStatus.COMPLETED
+        assert stopped.finish_reason is FinishReason.STOP
+        assert stopped.output_token_ids == full.output_token_ids[: first + 1]
+        assert stopped.text == "".join(f"<{t}>" for t in full.output_token_ids[:first])
+        assert stopped.usage.completion_tokens == first + 1
+        # The last token allowed completes the stop string: still a stop, not a length finish.
+        last = full.output_token_ids[first]
+        last_body = request_body("s-last", prompt=prompt, max_tokens=first + 1)
+        rig.submit(last_body | {"stop": [f"<{last}>"]})
+        await settle(rig, 1)
+        at_limit = rig.sink.answers["s-last"]
+        assert at_limit.finish_reason is FinishReason.STOP
+        assert at_limit.output_token_ids == full.output_token_ids[: first + 1]
+    finally:
+        await rig.engine.close()
+
+
+async def test_stop_strings_without_a_tokenizer_are_rejected() -> None:
+    rig = make_rig()
+    rig.submit(request_body("s") | {"stop": ["."]})
+    await settle(rig, 1)
+    answer = rig.sink.answers["s"]
+    assert answer.status is ResultStatus.REJECTED
+    assert answer.reject_code is RejectCode.TEXT_WITHOUT_TOKENIZER
+
+
+async def test_logprobs_arrive_once_per_token_through_preemption_and_moves() -> None:
+    """The simulated executor's logprob of the token at position p is -p/1000."""
+    bodies = mixed_workload()
+    for body in bodies[::2]:
+        body["logprobs"] = 1
+    rig = make_rig(tokenizer=_AngleTokenizer())
+    await rig.add_executors("a", "b", **SMALL)
+    for body in bodies:
+        rig.submit(body)
+    await settle(rig, len(bodies))
+    try:
+        answers = rig.sink.answers
+        assert sum(r.scheduling.preemptions for r in answers.values()) > 0
+        for i, body in enumerate(bodies):
+            result = answers[str(body["request_id"])]
+            if i % 2:
+                assert result.logprobs is None
+                continue
+            assert result.logprobs is not None
+            prompt_len = result.usage.prompt_tokens
+            assert [e.token_id for e in result.logprobs] == result.output_token_ids
+            assert [e.logprob for e in result.logprobs] == [
+                -(prompt_len + k) / 1000 for k in range(len(result.output_token_ids))
+            ]
+            assert all([t.token_id for t in e.top] == [e.token_id] for e in result.logprobs)
+            assert result.logprobs[0].token == f"<{result.output_token_ids[0]}>"
+    finally:
+        await rig.engine.close()

@@ -75,7 +75,12 @@ def test_valid_request_becomes_a_spec() -> None:
             "temperature: Extra inputs are not permitted",
             "extra",
         ),
-        ({"request_id": "noprompt"}, RejectCode.SCHEMA, "prompt: Field required", "noprompt"),
+        (
+            {"request_id": "noprompt"},
+            RejectCode.SCHEMA,
+            "give exactly one of prompt and messages",
+            "noprompt",
+        ),
         ({"request_id": "empty", "prompt": []}, RejectCode.SCHEMA, "prompt", "empty"),
         ({"request_id": "neg", "prompt": [1, -3]}, RejectCode.SCHEMA, "prompt", "neg"),
         (
@@ -191,7 +196,7 @@ def test_spec_parameters_equal_validated_protocol_models() -> None:
     assert spec.loops == LoopParams.model_validate(spec.loops.model_dump())
     assert spec.sampling.model_dump() == {
         "temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11, "max_tokens": 7,
-        "ignore_eos": False,
+        "ignore_eos": False, "logprobs": None,
     }  # fmt: skip
 
 
@@ -255,3 +260,53 @@ def test_wire_types_are_strict_and_reasons_precise(
 def test_strict_aborts() -> None:
     verdict = validate_abort(record(b'{"request_id": 5}', 0), 1 << 20)
     assert isinstance(verdict, Rejection) and verdict.code is RejectCode.SCHEMA
+
+
+def _with_chat_template(tmp_path: Path, template: str) -> Path:
+    path = _word_tokenizer(tmp_path)
+    config = {"chat_template": template, "eos_token": "world"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _chat(rid: str, messages: list[dict[str, str]]) -> dict[str, object]:
+    body = request_body(rid)
+    del body["prompt"]
+    return body | {"messages": messages}
+
+
+def test_messages_go_through_the_chat_template(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m['content'] }} {{ eos_token }} {% endfor %}"
+    template += "{% if add_generation_prompt %}hello{% endif %}"
+    codec = load_tokenizer(_with_chat_template(tmp_path, template))
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "x"}]
+    verdict = validate_request(record(_chat("c", messages), 0), LIMITS, codec)
+    assert isinstance(verdict, Accepted)
+    assert verdict.prompt_token_ids == (1, 2, 0, 2, 1)  # hello world [UNK] world hello
+
+
+def test_messages_without_a_template_or_refused_by_it_are_rejected(tmp_path: Path) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    without = validate_request(
+        record(_chat("c", messages), 0), LIMITS, load_tokenizer(_word_tokenizer(tmp_path))
+    )
+    assert isinstance(without, Rejection) and without.code is RejectCode.CHAT_TEMPLATE
+    assert "no chat template" in without.reason
+    refusing = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}"
+    refusing += "{% endif %}"
+    codec = load_tokenizer(_with_chat_template(tmp_path, refusing))
+    verdict = validate_request(record(_chat("c", messages), 0), LIMITS, codec)
+    assert isinstance(verdict, Rejection) and verdict.code is RejectCode.CHAT_TEMPLATE
+    assert "system first" in verdict.reason
+    no_tokenizer = validate_request(record(_chat("c", messages), 0), LIMITS, None)
+    assert isinstance(no_tokenizer, Rejection)
+    assert no_tokenizer.code is RejectCode.TEXT_WITHOUT_TOKENIZER
+    assert "messages" in no_tokenizer.reason
+
+
+def test_prompt_and_messages_together_or_neither_are_schema_errors() -> None:
+    both = request_body("b") | {"messages": [{"role": "user", "content": "hi"}]}
+    assert "exactly one of prompt and messages" in rejected(both).reason
+    neither = request_body("n")
+    del neither["prompt"]
+    assert rejected(neither).code is RejectCode.SCHEMA

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from kvgate.admission_service.scheduler.policy import EvictionReason
 from kvgate.protocol.enums import FinishReason, RestoreMode
+from kvgate.protocol.step import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,8 @@ class TokenEvent(NamedTuple):
     output_index: int
     token_id: int
     exit_depth: int
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

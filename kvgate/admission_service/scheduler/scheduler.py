@@ -366,7 +366,12 @@ class Scheduler:
             request.exit_depths.append(exit_depth)
             # The same tuple as ``TokenEvent(...)`` without the generated Python-level ``__new__``
             # (a third of the cost): one is made per running request per step.
-            events.append(tuple.__new__(TokenEvent, (request_id, index, token_id, exit_depth)))
+            events.append(
+                tuple.__new__(
+                    TokenEvent,
+                    (request_id, index, token_id, exit_depth, token.logprob, token.top_logprobs),
+                )
+            )
             request.progress_mark = position
             if eos is not None and token_id == eos and not request.spec.sampling.ignore_eos:
                 self._finish(request, FinishReason.STOP)

@@ -1,0 +1,229 @@
+"""GGUF loading on small files written in the test: every storage type, the RoPE row order,
+tied embeddings, conversion, and a one-line error for what cannot be served."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvgate.cli import main
+from kvgate.gpu_executor.config import CheckpointError
+from kvgate.gpu_executor.loader import load_model
+from kvgate.gpu_executor.reference import reference_generate
+from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+from kvgate.protocol import step as wire
+from tests.real_model.gguf_writer import CHAT_TEMPLATE, hf_tensors, stored, write_llama_gguf
+
+Q = gguf.GGMLQuantizationType
+SPEC = TinyModelSpec(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), SPEC)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = SPEC.model_copy(update={"tie_word_embeddings": True})
+    return make_tiny_model(tmp_path_factory.mktemp("tied"), spec)
+
+
+def _layer_tensor(loaded_model: object, name: str) -> torch.Tensor:
+    """One HF-named tensor back out of the fused executor weights."""
+    weights = loaded_model.weights  # type: ignore[attr-defined]
+    config = loaded_model.config  # type: ignore[attr-defined]
+    if name == "model.embed_tokens.weight":
+        return weights.embed
+    if name == "lm_head.weight":
+        return weights.lm_head
+    if name == "model.norm.weight":
+        return weights.norm
+    layer = weights.layers[int(name.split(".")[2])]
+    q_dim = config.num_heads * config.head_dim
+    kv_dim = config.num_kv_heads * config.head_dim
+    parts = {
+        "q_proj": layer.qkv_proj[:q_dim],
+        "k_proj": layer.qkv_proj[q_dim : q_dim + kv_dim],
+        "v_proj": layer.qkv_proj[q_dim + kv_dim :],
+        "o_proj": layer.o_proj,
+        "gate_proj": layer.gate_up_proj[: config.intermediate_size],
+        "up_proj": layer.gate_up_proj[config.intermediate_size :],
+        "down_proj": layer.down_proj,
+        "input_layernorm": layer.input_norm,
+        "post_attention_layernorm": layer.post_attention_norm,
+    }
+    return parts[name.split(".")[-2]]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("kind", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_every_storage_type_loads_as_the_stored_values(
+    tiny_dir: Path, tmp_path: Path, kind: Q
+) -> None:
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir, kind=kind)
+    loaded = load_model(path)
+    for name, original in hf_tensors(tiny_dir).items():
+        values = original.float().numpy()
+        expected = stored(values, kind) if values.ndim == 2 and kind != Q.F32 else values
+        if values.ndim == 2 and kind == Q.F16:
+            expected = values.astype(np.float16).astype(np.float32)
+        assert torch.equal(_layer_tensor(loaded.model, name), torch.from_numpy(expected)), name
+
+
+def test_an_f32_file_generates_what_its_source_directory_generates(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from_gguf = load_model(write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir))
+    from_dir = load_model(tiny_dir)
+    request = wire.NewRequest(
+        request_id="r", prompt_token_ids=[5, 60, 7, 200], sampling=wire.SamplingParams(max_tokens=8)
+    )
+    ours = reference_generate(from_gguf.model, request)
+    theirs = reference_generate(from_dir.model, request)
+    assert ours.output_token_ids == theirs.output_token_ids
+
+
+def test_tied_embeddings_have_no_output_tensor(tied_dir: Path, tmp_path: Path) -> None:
+    loaded = load_model(write_llama_gguf(tmp_path / "tied.gguf", tied_dir))
+    assert loaded.model.config.tie_word_embeddings
+    assert loaded.model.weights.lm_head is loaded.model.weights.embed
+
+
+def test_the_tokenizer_comes_from_the_metadata(tiny_dir: Path, tmp_path: Path) -> None:
+    loaded = load_model(write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir))
+    assert loaded.tokenizer is not None
+    assert loaded.tokenizer.encode("ab c") == [0x61, 0x62, 0x20, 0x63]
+    assert loaded.tokenizer.encode("<|bos|>x") == [256, ord("x")]
+    assert loaded.tokenizer.decode([256, ord("h"), ord("i"), 257]) == "hi"
+
+
+def test_convert_writes_a_directory_kvgate_and_transformers_load(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir, kind=Q.Q8_0)
+    out = tmp_path / "converted"
+    assert main(["convert", str(path), str(out)]) == 0
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == CHAT_TEMPLATE
+    assert tokenizer_config["eos_token"] == "<|eos|>"
+    converted = load_model(out)
+    direct = load_model(path)
+    assert torch.equal(converted.model.weights.embed, direct.model.weights.embed)
+    assert main(["convert", str(path), str(out)]) == 2  # never overwrites
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert torch.equal(model.model.embed_tokens.weight, direct.model.weights.embed)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|bos|>user\nhi<|eos|>\n<|bos|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"architecture": "qwen3"},
+            "GGUF architecture 'qwen3' is not supported (supported: llama)",
+        ),
+        ({"override_kind": {"blk.0.attn_q.weight": Q.I32}}, "blk.0.attn_q.weight is stored as I32"),
+        ({"tokenizer_model": "llama"}, "tokenizer.ggml.model 'llama' is not supported"),
+    ],
+)
+def test_what_cannot_be_served_fails_in_one_line(
+    tiny_dir: Path, tmp_path: Path, change: dict[str, object], message: str
+) -> None:
+    path = write_llama_gguf(tmp_path / "bad.gguf", tiny_dir, **change)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        load_model(path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        load_model(path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "missing.gguf")
+
+
+def test_sim_runs_the_real_executor_on_a_gguf_file(tiny_dir: Path, tmp_path: Path) -> None:
+    """``kvgate sim --executor real --model FILE.gguf``: scheduler and executor under pressure,
+    outputs equal to the unpaged reference."""
+    from kvgate.admission_service.scheduler.config import Mode, PreemptionMode
+    from kvgate.sim.real import simulate_real
+    from kvgate.sim.workload import CacheSection, ExitMode
+    from tests.gpu_executor.test_sim_real import _workload
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir, kind=Q.Q8_0)
+    workload = _workload(PreemptionMode.AUTO, Mode.MIXED, False, ExitMode.FIXED, True)
+    workload = workload.model_copy(
+        update={"cache": CacheSection(num_blocks=10, block_size=2, host_snapshot_blocks=4)}
+    )
+    report = simulate_real(workload, path)
+    assert report.preemptions > 0
+    assert report.passed, report.to_text()
+
+
+def test_convert_into_the_cache_once(
+    tiny_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("KVGATE_CACHE", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir)
+    assert main(["convert", str(path), "--cache"]) == 0
+    first = Path(capsys.readouterr().out.strip())
+    assert first.parent == tmp_path / "cache" / "models" and (first / "config.json").is_file()
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert main(["convert", str(path), "--cache"]) == 0
+    assert Path(capsys.readouterr().out.strip()) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    assert main(["convert", str(path)]) == 2
+    assert "give OUT_DIR or --cache" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "missing.gguf"), "--cache"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_executor_process_serves_a_gguf_file(tiny_dir: Path, tmp_path: Path) -> None:
+    """``kvgate executor --model FILE.gguf``: ready, and the first token equals the source
+    directory's greedy token."""
+    import asyncio
+    import signal
+    import subprocess
+
+    from tests.gpu_executor.test_executor_cli import _command, _env, _free_port, _serve_one_plan
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir)
+    port = _free_port()
+    process = subprocess.Popen(
+        _command(path, port, "--num-blocks", "32"),
+        env=_env(KVGATE_EXECUTOR_TOKEN="t"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        result = asyncio.run(_serve_one_plan(port, "t"))
+        assert result.error is None
+        request = wire.NewRequest(
+            request_id="r", prompt_token_ids=[1, 2, 3], sampling=wire.SamplingParams(max_tokens=1)
+        )
+        expected = reference_generate(load_model(tiny_dir).model, request).output_token_ids
+        assert [t.token_id for t in result.tokens] == expected
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=30)
