@@ -30,7 +30,8 @@ class LinearBackend(StrEnum):
 
 def select_linear_backend(device: torch.device, dtype: torch.dtype) -> LinearBackend:
     """oneDNN prepacked weights where torch has them (CPU, float32), ``F.linear`` otherwise."""
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    if device.type == "cpu" and dtype == torch.float32 and mkldnn:
         return LinearBackend.ONEDNN
     return LinearBackend.TORCH
 

@@ -82,6 +82,4 @@ class RotaryTable:
         knows it without a device sync)."""
         if max_position >= self._cos.shape[0]:
             self._grow(max_position + 1)
-        return Rotation(
-            self._cos[positions].unsqueeze(1), self._sin_signed[positions].unsqueeze(1)
-        )
+        return Rotation(self._cos[positions].unsqueeze(1), self._sin_signed[positions].unsqueeze(1))
