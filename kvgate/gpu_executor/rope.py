@@ -7,6 +7,7 @@ is the same numbers whether it is computed alone or inside a batch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -40,37 +41,45 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
     return inv_freq.to(torch.float32)
 
 
+@dataclass(frozen=True)
+class Rotation:
+    """The rotation of one batch of positions: gathered once per core pass, used by every layer.
+
+    ``sin_signed`` is ``sin`` with its first half negated, so rotate-half is
+    ``x * cos + swap_halves(x) * sin_signed``; ``a * -s`` equals ``-(a * s)`` exactly, so this is
+    bit for bit the textbook ``x * cos + cat(-x2, x1) * sin`` with one operation less.
+    """
+
+    cos: torch.Tensor  # fp32 [n, 1, head_dim]
+    sin_signed: torch.Tensor  # fp32 [n, 1, head_dim]
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [n, heads, head_dim]`` rotated by each row's position (in fp32; x's dtype back)."""
+        half = x.shape[-1] // 2
+        x_float = x.float()
+        swapped = torch.cat([x_float[..., half:], x_float[..., :half]], dim=-1)
+        return (x_float * self.cos + swapped * self.sin_signed).to(x.dtype)
+
+
 class RotaryTable:
     """``cos``/``sin`` tables ``[num_positions, head_dim]`` on one device, grown by doubling."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, device: torch.device):
         self._inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
         self._cos = torch.empty(0, head_dim, device=device)
-        self._sin = torch.empty(0, head_dim, device=device)
+        self._sin_signed = torch.empty(0, head_dim, device=device)
 
     def _grow(self, num_positions: int) -> None:
         size = max(num_positions, 2 * self._cos.shape[0], 256)
         positions = torch.arange(size, dtype=torch.float32, device=self._inv_freq.device)
         angles = torch.outer(positions, self._inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self._cos, self._sin = angles.cos(), angles.sin()
+        sin = angles.sin()
+        self._cos = torch.cat([angles, angles], dim=-1).cos()
+        self._sin_signed = torch.cat([-sin, sin], dim=-1)
 
-    def apply(
-        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, max_position: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query [n, Hq, D]`` and ``key [n, Hkv, D]`` by ``positions`` (int64 ``[n]``).
-
-        ``max_position`` bounds ``positions`` (the caller knows it without a device sync).
-        """
+    def at(self, positions: torch.Tensor, max_position: int) -> Rotation:
+        """The rotation of int64 ``positions [n]``; ``max_position`` bounds them (the caller
+        knows it without a device sync)."""
         if max_position >= self._cos.shape[0]:
             self._grow(max_position + 1)
-        cos = self._cos[positions].unsqueeze(1)
-        sin = self._sin[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x_float = x.float()
-    rotated = torch.cat([-x_float[..., half:], x_float[..., :half]], dim=-1)
-    return (x_float * cos + rotated * sin).to(x.dtype)
+        return Rotation(self._cos[positions].unsqueeze(1), self._sin_signed[positions].unsqueeze(1))

@@ -309,7 +309,7 @@ class StepRunner:
         slot_tensor = torch.tensor(slots, dtype=torch.int64, device=device)
         cache, scale = self.cache, model.softmax_scale
         with timer.measure():
-            # Block tables are the same for every layer: plan their reads once per pass.
+            # Block tables and slots are the same for every layer: plan and check them once.
             plan = kernels.plan_attention(
                 table_tensor,
                 start_tensor,
@@ -318,13 +318,16 @@ class StepRunner:
                 num_blocks=cache.num_blocks,
                 block_size=bs,
             )
+            write_plan = kernels.plan_write_kv(
+                slot_tensor, num_blocks=cache.num_blocks, block_size=bs
+            )
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
             key_cache, value_cache = cache.layer(layer)
             with timer.measure():
-                kernels.write_kv(k, v, key_cache, value_cache, slot_tensor)
+                kernels.write_kv(k, v, key_cache, value_cache, slot_tensor, plan=write_plan)
                 return kernels.paged_attention(
                     q,
                     key_cache,

@@ -26,16 +26,23 @@ from kvgate.kernels.torch_attention import (
     paged_attention_torch,
     plan_attention_torch,
 )
-from kvgate.kernels.torch_ops import copy_slots_torch, write_kv_torch
+from kvgate.kernels.torch_ops import (
+    WritePlan,
+    copy_slots_torch,
+    plan_write_kv_torch,
+    write_kv_torch,
+)
 
 __all__ = [
     "AttentionPlan",
     "Backend",
+    "WritePlan",
     "check_attention_metadata",
     "copy_slots",
     "gather_blocks",
     "paged_attention",
     "plan_attention",
+    "plan_write_kv",
     "scatter_blocks",
     "select_backend",
     "write_kv",
@@ -122,18 +129,37 @@ def write_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     slot_mapping: torch.Tensor,  # int64 [num_tokens]; slot = block_id * block_size + offset
+    plan: WritePlan | None = None,
 ) -> None:
     """Store token ``t``'s K/V at ``slot_mapping[t]``; negative slots (padding) are skipped.
 
-    Non-negative slots must be distinct (checked when they are on the CPU).
+    Non-negative slots must be distinct (checked when they are on the CPU: on every call, or
+    once in :func:`plan_write_kv`, whose result ``plan`` then is).
     """
     if select_backend(key.device) is Backend.TORCH:
-        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_torch(key, value, key_cache, value_cache, slot_mapping, plan)
         return
     # Deferred: Triton reads TRITON_INTERPRET when the kernels are defined (see dispatch).
     from kvgate.kernels.triton_cache import write_kv_triton  # noqa: PLC0415
 
     write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+
+
+def plan_write_kv(
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]
+    *,
+    num_blocks: int,
+    block_size: int,
+) -> WritePlan | None:
+    """Prepare one step's slot mapping for every layer's :func:`write_kv` call.
+
+    The slots of a step are the same for every layer: the CPU torch path checks their values
+    here, once (the check sorts them), and splits them into block and offset indices. ``None``
+    where the backend needs no plan (Triton: the slots stay on the device, unread).
+    """
+    if select_backend(slot_mapping.device) is not Backend.TORCH:
+        return None
+    return plan_write_kv_torch(slot_mapping, num_blocks=num_blocks, block_size=block_size)
 
 
 def copy_slots(

@@ -212,8 +212,11 @@ def check_write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    check_values: bool = True,
 ) -> None:
-    """Shape checks for ``write_kv``; value checks too when the slots are on the CPU."""
+    """Shape checks for ``write_kv``; value checks too when the slots are on the CPU (unless
+    ``check_values`` is False: the caller checked them with :func:`check_slot_mapping`)."""
     _require_cache_pair(key_cache, value_cache, rank=4)
     for name, t in (("key", key), ("value", value)):
         _require_rank(name, t, 3, "[num_tokens, num_kv_heads, head_dim]")
@@ -242,9 +245,13 @@ def check_write_kv(
             "slot_mapping": slot_mapping,
         }
     )
-    if slot_mapping.device.type == "cpu":
-        num_slots = key_cache.shape[0] * key_cache.shape[1]
-        _check_slots("slot_mapping", slot_mapping, num_slots, allow_negative=True)
+    if check_values and slot_mapping.device.type == "cpu":
+        check_slot_mapping(slot_mapping, num_slots=key_cache.shape[0] * key_cache.shape[1])
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, *, num_slots: int) -> None:
+    """``write_kv``'s value checks: slots below ``num_slots``, distinct; negative = padding."""
+    _check_slots("slot_mapping", slot_mapping, num_slots, allow_negative=True)
 
 
 def _check_slots(name: str, slots: torch.Tensor, num_slots: int, allow_negative: bool) -> None:

@@ -6,9 +6,52 @@ The CPU executor runs these for every layer of every step, so they avoid per-tok
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvgate.kernels.checks import check_copy_slots, check_write_kv
+from kvgate.kernels.checks import check_copy_slots, check_slot_mapping, check_write_kv
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """One step's slot mapping, checked once and split into (block, offset) for every layer.
+
+    A call that passes the plan must pass the same ``slot_mapping`` object, unchanged.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens], as planned
+    num_blocks: int
+    block_size: int
+    keep: torch.Tensor | None  # bool [num_tokens]: tokens with a slot; None: every token
+    at: tuple[torch.Tensor, torch.Tensor]  # int64 (block ids, offsets) of the kept tokens
+
+    def require_matches(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if slot_mapping is not self.slot_mapping:
+            raise ValueError("plan was made for another slot_mapping tensor")
+        if tuple(key_cache.shape[:2]) != (self.num_blocks, self.block_size):
+            raise ValueError(
+                f"plan was made for (num_blocks, block_size) = "
+                f"{(self.num_blocks, self.block_size)}, got {tuple(key_cache.shape[:2])}"
+            )
+
+
+def plan_write_kv_torch(
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = skip
+    *,
+    num_blocks: int,
+    block_size: int,
+) -> WritePlan:
+    """Check the slots' values once and precompute the index tensors every layer writes to."""
+    check_slot_mapping(slot_mapping, num_slots=num_blocks * block_size)
+    keep = None
+    slots = slot_mapping
+    if bool((slot_mapping < 0).any()):  # padding tokens: drop them (rare; masking copies)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+    return WritePlan(
+        slot_mapping, num_blocks, block_size, keep, (slots // block_size, slots % block_size)
+    )
 
 
 def write_kv_torch(
@@ -17,18 +60,21 @@ def write_kv_torch(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = skip
+    plan: WritePlan | None = None,
 ) -> None:
     """Same contract as :func:`kvgate.kernels.write_kv`, with torch index assignment."""
-    check_write_kv(key, value, key_cache, value_cache, slot_mapping)
-    slots = slot_mapping
-    if bool((slot_mapping < 0).any()):  # padding tokens: drop them (rare; masking copies)
-        keep = slot_mapping >= 0
-        slots, key, value = slot_mapping[keep], key[keep], value[keep]
-    block_size = key_cache.shape[1]
-    at = (slots // block_size, slots % block_size)
+    check_write_kv(key, value, key_cache, value_cache, slot_mapping, check_values=plan is None)
+    if plan is None:
+        plan = plan_write_kv_torch(
+            slot_mapping, num_blocks=key_cache.shape[0], block_size=key_cache.shape[1]
+        )
+    else:
+        plan.require_matches(key_cache, slot_mapping)
+    if plan.keep is not None:
+        key, value = key[plan.keep], value[plan.keep]
     # index_put_ writes through views, so per-layer views of a 5-D cache work.
-    key_cache.index_put_(at, key)
-    value_cache.index_put_(at, value)
+    key_cache.index_put_(plan.at, key)
+    value_cache.index_put_(plan.at, value)
 
 
 def copy_slots_torch(
