@@ -17,21 +17,13 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) -> None:
+def _demo(tmp_path: Path, *args: str, columns: int) -> str:
+    """Run ``kvgate demo ARGS`` in ``tmp_path`` without the caller's kvgate/OTel settings; its
+    output, after checking it exited 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "OTEL_"))}
-    env |= {"PYTHONPATH": str(REPO), "COLUMNS": "120"}
+    env |= {"PYTHONPATH": str(REPO), "COLUMNS": str(columns)}
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvgate",
-            "demo",
-            "--tiny",
-            "--requests",
-            "12",
-            "--out-dir",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "kvgate", "demo", *args, "--out-dir", str(tmp_path)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -41,6 +33,11 @@ def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) ->
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
+    return output
+
+
+def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) -> None:
+    output = _demo(tmp_path, "--tiny", "--requests", "12", columns=120)
     assert re.search(r"requests lost\s+│ 0 ", output), output
     # 12 completed; rejected: one too large for the cache, one record that is not JSON.
     assert re.search(r"requests completed\s+│ 12 / 14 ", output), output
@@ -69,19 +66,7 @@ def test_the_default_demo_serves_smollm2_text_and_chat(tmp_path: Path) -> None:
         pytest.skip(
             f"the packaged SmolLM2 model is not installed (make setup does: {INSTALL_HINT})"
         )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env |= {"PYTHONPATH": str(REPO), "COLUMNS": "160"}
-    done = subprocess.run(
-        [sys.executable, "-m", "kvgate", "demo", "--requests", "2", "--out-dir", str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=380,
-        check=False,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    output = _demo(tmp_path, "--requests", "2", columns=160)
     assert re.search(r"requests completed\s+│ 2 / 4 ", output), output
     # demo-000 is "The capital of France is" (greedy), demo-001 the chat about the same.
     assert re.search(r"demo-000 .*The capital of France is .*Paris", output), output
