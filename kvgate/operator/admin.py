@@ -84,6 +84,12 @@ class AdminClient:
                 reason = detail.error + (f": {detail.detail}" if detail.detail else "")
             except ValidationError:
                 reason = text[:200]
+            if status == 401:
+                reason += (
+                    " — the admin token Secret does not hold the operator's token (made by "
+                    "hand, or by an operator with another key): delete it and the operator "
+                    "writes it again"
+                )
             raise AdminRejected(f"{method} {url}: HTTP {status}: {reason}")
         return text
 

@@ -6,14 +6,16 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated
 
 import kopf
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvgate.operator.admin import DEFAULT_URL_TEMPLATE, check_url_template
 from kvgate.operator.naming import KOPF_FINALIZER, KOPF_PREFIX, LABEL_POOL, MANAGED_BY
+from kvgate.operator.tokens import TokenKey
 
 
 class OperatorConfig(BaseSettings):
@@ -32,6 +34,28 @@ class OperatorConfig(BaseSettings):
     # Upper bound of the retry delay after failed API calls (it doubles from poll_interval_s).
     max_backoff_s: Annotated[float, Field(gt=0.0, le=3600.0)] = 60.0
     request_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = 10.0
+    # The key per-pool admin tokens are derived from (tokens.py): a file (the chart mounts one)
+    # or the value itself; exactly one.
+    token_key_file: Path | None = None
+    token_key: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _one_key(self) -> OperatorConfig:
+        if (self.token_key_file is None) == (self.token_key is None):
+            raise ValueError(
+                "set exactly one of KVGATE_OPERATOR_TOKEN_KEY_FILE and KVGATE_OPERATOR_TOKEN_KEY "
+                "(the key per-pool admin tokens are derived from)"
+            )
+        if self.token_key is not None:
+            TokenKey(self.token_key.get_secret_value().encode())  # long enough
+        return self
+
+    def read_token_key(self) -> TokenKey:
+        """The key, read from its file when one is named (raises OSError/ValueError)."""
+        if self.token_key is not None:
+            return TokenKey(self.token_key.get_secret_value().encode())
+        assert self.token_key_file is not None
+        return TokenKey(self.token_key_file.read_bytes().strip())
 
     @field_validator("admin_url_template")
     @classmethod

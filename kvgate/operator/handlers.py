@@ -43,8 +43,11 @@ POD_EVENT_ATTEMPTS = 8
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     try:
         config = OperatorConfig()
+        config.read_token_key()
     except ValidationError as error:  # bad settings: stop at once, do not retry
         raise kopf.PermanentError(f"invalid operator settings: {error}") from None
+    except (OSError, ValueError) as error:
+        raise kopf.PermanentError(f"cannot read the operator's token key: {error}") from None
     configure_kopf(settings, config)
     Runtime.start(config, default_login(settings)).store(memo)
 

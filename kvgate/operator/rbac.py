@@ -6,8 +6,9 @@ the operator watches all namespaces, or with a Role in each watched namespace ot
 cluster-scoped ``clusterkopfpeerings`` rule is needed only for ``--all-namespaces``).
 
 Not needed, on purpose: namespaces and CRDs (kopf's scanning is disabled: namespaces are given
-explicitly), ``update`` (only merge patches), ``deletecollection``, and any access to the token
-Secrets pods mount (the operator reads only the admin-token Secrets it creates).
+explicitly), ``update`` (only merge patches), ``deletecollection``, and reading any Secret:
+the operator derives each pool's admin token from its own key and only ``create``s the Secret
+the admission pod mounts (``tokens.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ REQUIRED_RULES: Final[tuple[Rule, ...]] = (
     ),
     Rule("", ("services", "configmaps"), ("get", "create", "patch"), "pool Services, ConfigMap"),
     Rule("apps", ("deployments",), ("get", "create", "patch"), "admission Deployment"),
-    Rule("", ("secrets",), ("get", "create", "patch"), "per-pool admin token Secret"),
+    Rule("", ("secrets",), ("create",), "per-pool admin token Secret (written once, never read)"),
     Rule("", ("events",), ("create",), "Events about pools"),
     Rule("kopf.dev", ("kopfpeerings",), ("get", "list", "watch", "patch"), "leader election"),
     Rule(

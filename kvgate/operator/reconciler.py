@@ -9,10 +9,7 @@ acts on the latest spec. Its phases::
 
 from __future__ import annotations
 
-import base64
-import binascii
-import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -49,10 +46,8 @@ from kvgate.operator.kube import (
 )
 from kvgate.operator.models import ExecutorPoolSpec, InvalidSpecError, parse_spec
 from kvgate.operator.naming import (
-    ADMIN_TOKEN_KEY,
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
-    admin_token_secret_name,
 )
 from kvgate.operator.observe import (
     ObservedPod,
@@ -119,6 +114,8 @@ class Reconciler:
         self._config = config
         self._events = events
         self._clock = clock
+        self._token_key = config.read_token_key()
+        self._token_written: set[str] = set()  # pool uids whose token Secret exists
 
     async def reconcile(self, namespace: str, name: str) -> Outcome:
         raw = await self._kube.get(EXECUTOR_POOLS, namespace, name)
@@ -202,31 +199,14 @@ class Reconciler:
         return [observe_pod(item) for item in items if controller_uid(item) == ref.uid]
 
     async def _admin_token(self, ref: PoolRef) -> str:
-        """The pool's admin token, from its Secret; created on first use."""
-        name = admin_token_secret_name(ref.name)
-        raw = await self._kube.get(SECRETS, ref.namespace, name)
-        if raw is None:
-            token = secrets.token_urlsafe(32)
-            if await self._kube.create(
-                SECRETS, ref.namespace, build_admin_token_secret(ref, token)
-            ):
-                return token
-            raw = await self._kube.get(SECRETS, ref.namespace, name)  # created meanwhile
-            if raw is None:
-                raise ApiError(409, "Conflict", f"Secret {name} appears and disappears")
-        if controller_uid(raw) != ref.uid:
-            raise Blocked("NameConflict", f"Secret {name} exists and does not belong to this pool")
-        data = raw.get("data")
-        encoded = data.get(ADMIN_TOKEN_KEY) if isinstance(data, Mapping) else None
-        try:
-            token = base64.b64decode(str(encoded), validate=True).decode()
-        except (binascii.Error, UnicodeDecodeError):
-            token = ""
-        if encoded is None or not token:
-            # Damaged by hand: issue a new token (the admission pod restarts with it).
-            token = secrets.token_urlsafe(32)
-            fixed = build_admin_token_secret(ref, token)
-            await self._kube.merge_patch(SECRETS, ref.namespace, name, {"data": fixed["data"]})
+        """The pool's admin token, derived from the operator's key (``tokens.py``); written
+        into its Secret once, never read back."""
+        token = self._token_key.admin_token(ref.namespace, ref.name, ref.uid)
+        if ref.uid not in self._token_written:
+            # False: a Secret of that name exists — ours from an earlier pass or process. One
+            # that holds another token shows as the admin API refusing the operator.
+            await self._kube.create(SECRETS, ref.namespace, build_admin_token_secret(ref, token))
+            self._token_written.add(ref.uid)
         return token
 
     async def _ensure(self, resource: ApiResource, ref: PoolRef, manifest: RawObject) -> None:

@@ -32,6 +32,8 @@ from tests.chart.value_sets import BY_NAME, VALUE_SETS, ValueSet
 
 # Kinds defined by CRDs: validated against their CRD's schema, or by what they select.
 CUSTOM_KINDS = {"ExecutorPool", "KopfPeering", "ClusterKopfPeering", "ServiceMonitor"}
+# The operator's token key (kvgate/operator/tokens.py), beside the operator, not a pool's.
+TOKEN_KEY_SECRET = "kvgate-operator-token-key"
 CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
 
 
@@ -168,7 +170,7 @@ def test_example_pool_is_valid_for_the_crd_and_the_operator(rendered: Rendered) 
 
 def test_example_pool_token_secret(rendered: Rendered) -> None:
     pools = rendered.of_kind("ExecutorPool")
-    secrets = rendered.of_kind("Secret")
+    secrets = [s for s in rendered.of_kind("Secret") if s["metadata"]["name"] != TOKEN_KEY_SECRET]
     if not pools or not rendered.value_set.values["examplePool"].get("createTokenSecret", True):
         assert secrets == []
         return
@@ -248,8 +250,12 @@ def test_operator_runs_locked_down(rendered: Rendered) -> None:
     assert context["privileged"] is False
     assert context["capabilities"] == {"drop": ["ALL"]}
     assert context["runAsNonRoot"] is True
-    mounts = {m["mountPath"] for m in _operator_container(rendered)["volumeMounts"]}
-    assert mounts == {"/tmp"}  # the one writable place
+    mounts = {
+        m["mountPath"]: m.get("readOnly", False)
+        for m in _operator_container(rendered)["volumeMounts"]
+    }
+    # /tmp is the one writable place; the token key (tokens.py) is mounted read-only.
+    assert mounts == {"/tmp": False, "/etc/kvgate/token-key": True}
 
 
 def test_operator_deployment_never_runs_two(rendered: Rendered) -> None:
@@ -283,7 +289,7 @@ def test_namespaces_follow_the_release_and_the_watch_list(rendered: Rendered) ->
             assert meta["namespace"] in watched
         elif kind == "NetworkPolicy":
             assert meta["namespace"] in policy_namespaces
-        elif kind in ("ExecutorPool", "Secret"):
+        elif kind == "ExecutorPool" or (kind == "Secret" and meta["name"] != TOKEN_KEY_SECRET):
             assert meta["namespace"] in pool_namespaces
         else:
             assert meta["namespace"] == rendered.value_set.namespace, (kind, meta["name"])

@@ -26,6 +26,17 @@ CRD_PATH = (
 )
 
 
+# The key the operator derives per-pool admin tokens from (the chart mounts one from a Secret).
+TOKEN_KEY = "operator-token-key-for-the-tests-0123456789abcdef"
+
+
+@pytest.fixture(autouse=True)
+def operator_token_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.delenv("KVGATE_OPERATOR_TOKEN_KEY_FILE", raising=False)
+    monkeypatch.setenv("KVGATE_OPERATOR_TOKEN_KEY", TOKEN_KEY)
+    return TOKEN_KEY
+
+
 @pytest.fixture(scope="session")
 def crd() -> dict[str, Any]:
     return dict(yaml.safe_load(CRD_PATH.read_text()))

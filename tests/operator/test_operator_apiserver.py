@@ -326,7 +326,10 @@ def test_operator_account_is_bound_by_the_chart_role(apiserver: KubeApiServer) -
     assert apiserver.request("GET", POOLS, token=token)[0] == 200
     denied = [
         ("GET", "/api/v1/namespaces/kube-system/pods"),  # another namespace
-        ("GET", f"/api/v1/namespaces/{NAMESPACE}/secrets"),  # list: only get is granted
+        ("GET", f"/api/v1/namespaces/{NAMESPACE}/secrets"),  # no list: only create is granted
+        # no get, not even of the Secret the operator writes (its token is derived, tokens.py)
+        ("GET", f"/api/v1/namespaces/{NAMESPACE}/secrets/{admin_token_secret_name('pool')}"),
+        ("PATCH", f"/api/v1/namespaces/{NAMESPACE}/secrets/anything"),
         ("DELETE", f"/api/v1/namespaces/{NAMESPACE}/services/anything"),  # no delete
         ("GET", CRDS),  # no CRD access at all
     ]

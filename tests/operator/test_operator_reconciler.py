@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,10 +13,13 @@ import aiohttp
 import kopf
 import pytest
 
+from kvgate.operator.admin import AdminRejected
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.kube import KubeApi
+from kvgate.operator.naming import GROUP, PLURAL, VERSION
 from kvgate.operator.reconciler import OutcomeKind, Reconciler
 from tests.operator.cluster import MERGE, NAMESPACE, Cluster, pool_manifest
+from tests.operator.conftest import TOKEN_KEY
 from tests.operator.fake_admin import FakeAdminApi
 from tests.operator.kube_emulator import KubeEmulator
 
@@ -100,19 +105,55 @@ async def test_a_foreign_object_in_the_way_is_not_taken_over(harness: Harness) -
     assert harness.cluster.pods() == {}
 
 
-async def test_a_damaged_admin_token_is_replaced(harness: Harness) -> None:
+async def test_the_admin_token_is_derived_and_no_secret_is_ever_read(harness: Harness) -> None:
+    """The token in the pool's Secret is HMAC(operator key, namespace/name/uid), computed here
+    independently; the operator only creates that Secret, once, and reads none."""
     await harness.cluster.create(pool_manifest(replicas=1))
     await converge(harness)
-    path = f"/api/v1/namespaces/{NAMESPACE}/secrets/pool-admin-token"
-    async with harness.cluster.api.patch(path, json={"data": {"token": "%%%"}}, headers=MERGE):
-        pass
-    await converge(harness)
+    await converge(harness)  # a second pass writes nothing new
     secret = harness.cluster.api.get("v1/secrets", NAMESPACE, "pool-admin-token")
-    assert secret is not None
-    token = base64.b64decode(secret["data"]["token"]).decode()
-    assert len(token) >= 32
-    # The admission pod restarts with the new token (its template changed).
-    assert "PATCH deployments/pool-admission" in harness.writes()
+    pool = harness.cluster.api.get(f"{GROUP}/{VERSION}/{PLURAL}", NAMESPACE, "pool")
+    assert secret is not None and pool is not None
+    message = b"\0".join(
+        (b"kvgate-admin-token", NAMESPACE.encode(), b"pool", pool["metadata"]["uid"].encode())
+    )
+    digest = hmac.new(TOKEN_KEY.encode(), message, hashlib.sha256).digest()
+    expected = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    assert base64.b64decode(secret["data"]["token"]).decode() == expected
+    secret_calls = [
+        (c.method, c.name)
+        for c in harness.cluster.api.journal
+        if c.user_agent == "kvgate-operator" and c.plural == "secrets"
+    ]
+    assert secret_calls in ([("POST", None)], [("POST", "pool-admin-token")])
+
+
+async def test_a_foreign_admin_token_secret_is_reported_with_the_way_out(
+    harness: Harness, admin_api: FakeAdminApi
+) -> None:
+    """A Secret of that name made by hand holds another token: the operator cannot read or fix
+    it, so the admin API refuses the operator and the pool's status says to delete the Secret."""
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "pool-admin-token", "namespace": NAMESPACE},
+        "data": {"token": base64.b64encode(b"made-by-hand").decode()},
+    }
+    async with harness.cluster.api.post(
+        f"/api/v1/namespaces/{NAMESPACE}/secrets", json=foreign
+    ) as response:
+        assert response.status == 200, await response.text()
+    await harness.cluster.create(pool_manifest(replicas=1))
+    refused: AdminRejected | None = None
+    for _ in range(10):  # passes until the admin API has been asked (pods started meanwhile)
+        try:
+            assert await harness.run() is not OutcomeKind.CONVERGED
+        except AdminRejected as error:  # kopf retries it and posts it as the pass's failure
+            refused = error
+            break
+        await harness.cluster.wait_for(lambda: not harness.cluster.kubelet.pending())
+    assert any(call.status == 401 for call in admin_api.journal)
+    assert refused is not None and "delete it and the operator writes it again" in str(refused)
 
 
 async def test_an_edited_child_is_put_back(harness: Harness) -> None:

@@ -124,7 +124,7 @@ Argument: a dict with "clusterwide" and "peering" (bools).
   verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
