@@ -44,7 +44,7 @@ from kvgate.admission_service.scheduler.events import (
     TokenEvent,
 )
 from kvgate.admission_service.scheduler.scheduler import RequestProgress
-from kvgate.admission_service.stops import find_stop
+from kvgate.admission_service.stops import find_stop, stop_window_tokens
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
 from kvgate.admission_service.tracking import (
@@ -320,9 +320,16 @@ class Engine:
             return
         if event.output_index != len(tracked.output_token_ids):
             return  # not a new token (every output arrives once, in order)
-        tracked.output_token_ids.append(event.token_id)
-        text = self._tokenizer.decode(tracked.output_token_ids)
-        cut = find_stop(text, tracked.request.stop)
+        outputs = tracked.output_token_ids
+        outputs.append(event.token_id)
+        stops = tracked.request.stop
+        # A stop completed by this token lies in the last few tokens: decode only those on
+        # every token (this runs on the service's event loop), the whole text once it matches.
+        tail = self._tokenizer.decode(outputs[-stop_window_tokens(stops) :])
+        if find_stop(tail, stops) is None:
+            return
+        text = self._tokenizer.decode(outputs)
+        cut = find_stop(text, stops)
         if cut is not None:
             tracked.stop_text = text[:cut]
             handle.abort(tracked.request_id, FinishReason.STOP)

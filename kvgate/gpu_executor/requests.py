@@ -111,7 +111,7 @@ class RequestState:
         return RequestView(
             fill_len=self.fill_len,
             prompt_len=len(self.prompt),
-            frontier=tuple(self.frontier),
+            frontier=self.frontier,
             fill_start=self.fill_start,
             wavefront={key: pending.token_end for key, pending in self.wavefront.items()},
             cursor=None if cursor is None else (cursor.position, cursor.depth),

@@ -11,7 +11,7 @@ drift between executors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,7 +54,7 @@ class RequestView:
 
     fill_len: int
     prompt_len: int
-    frontier: tuple[int | None, ...]
+    frontier: Sequence[int | None]  # read only; the shadow copies it
     fill_start: int | None
     wavefront: Mapping[tuple[int, int], int]
     cursor: tuple[int, int] | None

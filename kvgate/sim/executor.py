@@ -69,7 +69,7 @@ class _SimRequest:
         return RequestView(
             fill_len=self.fill_length,
             prompt_len=len(self.new.prompt_token_ids),
-            frontier=tuple(self.frontier),
+            frontier=self.frontier,
             fill_start=self.fill_start,
             wavefront=self.wavefront,
             cursor=(self.cursor_position, self.depth_done + 1) if self.filled else None,
