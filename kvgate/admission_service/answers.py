@@ -82,6 +82,7 @@ class Answers:
         self._answered.add(result.request_id)
         self._metrics.rejections.labels(code=code.value).inc()
         self._metrics.results.labels(status=result.status.value).inc()
+        self._metrics.observe_result(tracked.request.priority, result)
         self._sink.reject(tracked.record, Rejection(code, reason, tracked.request_id), result)
         self._tracer.finish_request(tracked.span, tracked.request, result)
 
@@ -116,4 +117,5 @@ class Answers:
         self._answered.add(result.request_id)
         self._sink.answer(result, tracked.traceparent)
         self._metrics.results.labels(status=result.status.value).inc()
+        self._metrics.observe_result(tracked.request.priority, result)
         self._tracer.finish_request(tracked.span, tracked.request, result)

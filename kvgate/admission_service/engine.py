@@ -166,9 +166,15 @@ class Engine:
     def drain(self, name: str) -> ExecutorStatus | None:
         return self.members.drain(name)
 
-    async def close(self) -> None:
-        """Leave every executor; requests not finished are handed off (left unanswered)."""
-        await self.members.close()
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Leave every executor (all at once, within ``timeout_s``: an executor that does not
+        answer the close handshake in time is left anyway); requests not finished are handed
+        off (left unanswered)."""
+        leaving = asyncio.ensure_future(self.members.close())
+        try:
+            await asyncio.wait_for(asyncio.shield(leaving), timeout_s)
+        except TimeoutError:
+            log.warning("leaving the executors took over %.1f s: handing off anyway", timeout_s)
         for tracked in list(self._requests.values()):
             self._hand_off(tracked)
 

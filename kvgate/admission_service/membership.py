@@ -120,5 +120,4 @@ class Membership:
         async with self._lock:
             handles = list(self.handles.values())
             self.handles.clear()
-            for handle in handles:
-                await handle.stop()
+            await asyncio.gather(*(handle.stop() for handle in handles))

@@ -20,7 +20,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvgate.admission_service.scheduler.events import StepReport
+from kvgate.protocol.records import InferenceResult
 from kvgate.protocol.step import ExecutorCounters
+
+# Distinct priorities with a label of their own on the latency metrics (the rest: "other").
+PRIORITY_CLASSES = 16
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +193,66 @@ class ServiceMetrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r,
         )
+
+        # Request latencies and token counts, by priority class (see _priority_label).
+        by_priority = ["priority"]
+        self.queue_time = Histogram(
+            "kvgate_admission_request_queue_time_seconds",
+            "read from Kafka to first admitted to an executor",
+            by_priority, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.time_to_first_token = Histogram(
+            "kvgate_admission_time_to_first_token_seconds",
+            "read from Kafka to its first output token",
+            by_priority, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.time_per_output_token = Histogram(
+            "kvgate_admission_time_per_output_token_seconds",
+            "a request's mean inter-token latency after its first token",
+            by_priority, buckets=INTER_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.end_to_end = Histogram(
+            "kvgate_admission_request_latency_seconds",
+            "read from Kafka to its result",
+            [*by_priority, "status"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "kvgate_admission_prompt_tokens", "prompt tokens of answered requests",
+            by_priority, registry=r,
+        )  # fmt: skip
+        self.generation_tokens = Counter(
+            "kvgate_admission_generation_tokens", "output tokens of answered requests",
+            by_priority, registry=r,
+        )  # fmt: skip
+        self._priority_labels: dict[int, str] = {}
+
+    def observe_result(self, priority: int, result: InferenceResult) -> None:
+        """Latencies and token counts of one answered request (rejections included in the
+        end-to-end latency only: they never queued)."""
+        label = self._priority_label(priority)
+        timings = result.timings
+        self.end_to_end.labels(label, result.status.value).observe(timings.end_to_end_s)
+        if timings.queued_s is not None:
+            self.queue_time.labels(label).observe(timings.queued_s)
+        ttft = timings.time_to_first_token_s
+        if ttft is not None:
+            self.time_to_first_token.labels(label).observe(ttft)
+            after_first = result.usage.completion_tokens - 1
+            if after_first > 0:
+                per_token = max(timings.end_to_end_s - ttft, 0.0) / after_first
+                self.time_per_output_token.labels(label).observe(per_token)
+        self.prompt_tokens.labels(label).inc(result.usage.prompt_tokens)
+        self.generation_tokens.labels(label).inc(result.usage.completion_tokens)
+
+    def _priority_label(self, priority: int) -> str:
+        """The first PRIORITY_CLASSES distinct priorities seen get their own label, later
+        ones share "other": priorities span thousands of values, label sets must not."""
+        label = self._priority_labels.get(priority)
+        if label is None:
+            label = str(priority) if len(self._priority_labels) < PRIORITY_CLASSES else "other"
+            if label != "other":
+                self._priority_labels[priority] = label
+        return label
 
     def bind_state(self, read: Callable[[], StateSnapshot]) -> None:
         self.registry.register(_StateCollector(read))

@@ -11,10 +11,12 @@ Shutdown (SIGTERM):
 2. running work has ``shutdown.grace_period_s`` to finish (aborts are still honoured);
 3. what is left is handed off: cancelled here without an answer, so its offset stays
    uncommitted and the next owner runs it;
-4. a last commit cycle per partition commits everything answered, up to the lowest handed-off
-   offset; producers stop; the consumer leaves the group; exit 0 — or exit 1 when answers made
-   here could not be written (logged with their count; the requests run again on the
-   partitions' next owners).
+4. the executor sessions close (all at once); a last commit cycle per partition commits
+   everything answered, up to the lowest handed-off offset; producers stop; the consumer leaves
+   the group; exit 0 — or exit 1 when answers made here could not be written (logged with their
+   count; the requests run again on the partitions' next owners). Steps 3–4 share
+   ``shutdown.closing_timeout_s``: a step still running when it is spent is left behind, so
+   the process exits within the grace period plus that budget.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import Coroutine
+import time
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import aiohttp
@@ -317,11 +320,15 @@ class AdmissionService:
                     self.engine.num_tracked,
                     grace,
                 )
-            await self.engine.close()
+        # Everything from here on shares one budget, so the process exits in bounded time.
+        closing = _Budget(self.settings.shutdown.closing_timeout_s)
+        if self.engine is not None:
+            with _timed("leaving the executors"):
+                await self.engine.close(closing.left(30.0))
         if self.outbox is not None and self._outbox_task is not None:
             self.outbox.stop_soon()  # never cancelled mid-transaction
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._outbox_task), 60.0)
+            with _timed("the outbox's last cycle"), contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._outbox_task), closing.left(60.0))
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -329,15 +336,15 @@ class AdmissionService:
         if self.outbox is not None:
             for partition, before in self.outbox.unwritten_by_partition().items():
                 left = await _closing(
-                    f"partition {partition}", self.outbox.close_partition(partition)
+                    f"partition {partition}", self.outbox.close_partition(partition), closing
                 )
                 unwritten += before if left is None else left
         if self._aborts is not None:
-            await _closing("the abort reader", self._aborts.stop())
+            await _closing("the abort reader", self._aborts.stop(), closing)
         if self.intake is not None:
-            await _closing("the consumer", self.intake.consumer.stop())
+            await _closing("the consumer", self.intake.consumer.stop(), closing)
         if self.outbox is not None:
-            await _closing("the producers", self.outbox.close())
+            await _closing("the producers", self.outbox.close(), closing)
         if self._http is not None:
             await self._http.close()
         if self._runner is not None:
@@ -351,7 +358,31 @@ class AdmissionService:
         return unwritten
 
 
-async def _closing(what: str, closing: Coroutine[Any, Any, _T]) -> _T | None:
+@contextlib.contextmanager
+def _timed(what: str) -> Iterator[None]:
+    """Log a shutdown step that took more than a second, so a slow shutdown says where."""
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        took = time.monotonic() - began
+        if took > 1.0:
+            log.info("shutdown: %s took %.1f s", what, took)
+
+
+class _Budget:
+    """Seconds left of the shutdown's closing budget."""
+
+    def __init__(self, seconds: float) -> None:
+        self._until = time.monotonic() + seconds
+
+    def left(self, at_most: float) -> float:
+        """What one step may take: the rest of the budget, at most ``at_most``, never below a
+        moment (a spent budget still lets a step that is already done report it)."""
+        return max(min(at_most, self._until - time.monotonic()), 0.01)
+
+
+async def _closing(what: str, closing: Coroutine[Any, Any, _T], budget: _Budget) -> _T | None:
     """One shutdown step, its result (None when it failed: that is logged and the next step
     still runs).
 
@@ -360,12 +391,15 @@ async def _closing(what: str, closing: Coroutine[Any, Any, _T]) -> _T | None:
     """
     task = asyncio.ensure_future(closing)
     try:
-        return await asyncio.wait_for(asyncio.shield(task), 30.0)
+        with _timed(f"closing {what}"):
+            return await asyncio.wait_for(asyncio.shield(task), budget.left(30.0))
     except asyncio.CancelledError:
         current = asyncio.current_task()
         if current is not None and current.cancelling():
             raise
         log.warning("closing %s: an internal task was cancelled", what)
+    except TimeoutError:
+        log.warning("closing %s: not done within the closing budget; left behind", what)
     except Exception as exc:
         log.warning("closing %s failed: %r", what, exc)
     return None

@@ -281,6 +281,11 @@ class ShutdownSettings(_Section):
     # On SIGTERM, running work has this long to finish before it is handed off (left
     # uncommitted, so the next owner of its partition runs it again).
     grace_period_s: Annotated[float, Field(ge=0.0)] = 30.0
+    # After the grace period, everything else (hand-off, the last commit cycles, closing the
+    # executor sessions, producers and consumer) shares this budget; a step still running when
+    # it is spent is abandoned: its answers are not durable and their requests run again on the
+    # partitions' next owners. The pod's terminationGracePeriodSeconds must cover both.
+    closing_timeout_s: Annotated[float, Field(gt=0.0)] = 20.0
 
 
 def _service_scheduler_defaults(value: object) -> object:

@@ -8,6 +8,7 @@ tests/integration/test_admission_*.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from kvgate.protocol.records import (
     ResultStatus,
     TokenChunk,
 )
-from kvgate.sim.backend import LocalConnector, SimExecutorConfig
+from kvgate.sim.backend import LocalConnector, LocalSession, SimExecutorConfig
 
 from .helpers import request_body, until
 from .kafka_helpers import (
@@ -153,6 +154,25 @@ async def test_mixed_workload_with_bad_input_and_token_stream(
             assert [c.token_id for c in mine] == result.output_token_ids
             partitions = {c.partition for c in chunks if c.key == result.request_id.encode()}
             assert partitions == {result.source.partition}
+        # Latency and token metrics by priority agree with the results on Kafka.
+        priority = {body["request_id"]: body.get("priority", 0) for body in good}
+        metric = service.metrics.registry.get_sample_value
+        for p in (0, 1, 2):
+            mine = [r for r in completed if priority[r.request_id] == p]
+            label = {"priority": str(p)}
+            tokens = sum(r.usage.completion_tokens for r in mine)
+            assert metric("kvgate_admission_generation_tokens_total", label) == tokens
+            prompt = sum(r.usage.prompt_tokens for r in mine)
+            extra = sum(r.usage.prompt_tokens for r in results if r.request_id == "too-big")
+            assert metric("kvgate_admission_prompt_tokens_total", label) == prompt + (
+                extra if p == 0 else 0
+            )
+            assert metric("kvgate_admission_time_to_first_token_seconds_count", label) == len(mine)
+            ttft = sum(r.timings.time_to_first_token_s or 0.0 for r in mine)
+            seen = metric("kvgate_admission_time_to_first_token_seconds_sum", label)
+            assert seen == pytest.approx(ttft, abs=1e-3)
+            done = {**label, "status": "completed"}
+            assert metric("kvgate_admission_request_latency_seconds_count", done) == len(mine)
     finally:
         await service.shutdown()
 
@@ -266,3 +286,38 @@ async def test_graceful_shutdown_commits_answers_and_hands_off_the_rest(
     ends = {p: sum(1 for r in results if r.source.partition == p) for p in range(2)}
     assert final == ends, "a clean shutdown commits everything answered"
     json.dumps(final)
+
+
+class _NoCloseHandshake(LocalConnector):
+    """Executors whose close handshake never completes (a hung or partitioned peer)."""
+
+    async def __call__(self, endpoint: str, epoch: int) -> LocalSession:
+        session = await super().__call__(endpoint, epoch)
+        never = asyncio.Event()
+
+        async def close() -> None:
+            await never.wait()
+
+        session.close = close  # type: ignore[method-assign]
+        return session
+
+
+async def test_shutdown_leaves_a_hung_executor_within_the_closing_budget(
+    broker: EmbeddedBroker,
+) -> None:
+    connector = _NoCloseHandshake()
+    connector.add("a", SIM)
+    connector.add("b", SIM)
+    topics = Topics.unique("hung")
+    settings = settings_for(
+        broker, topics, shutdown={"grace_period_s": 0.0, "closing_timeout_s": 1.0}
+    )
+    bodies = [request_body(f"h{i}", max_tokens=4) for i in range(6)]
+    service = await start(settings, connector)
+    await produce(broker.bootstrap, topics.requests, bodies)
+    answered = await read_results(broker.bootstrap, topics.results, 6, read_committed=False)
+    # Without the budget this never returns: both close handshakes wait forever.
+    assert await asyncio.wait_for(service.shutdown(), 20.0) == 0
+    committed = await committed_offsets(broker.bootstrap, topics.group, topics.requests, 2)
+    ends = {p: sum(1 for r in answered if r.source.partition == p) for p in range(2)}
+    assert committed == ends, "what was answered is still committed"

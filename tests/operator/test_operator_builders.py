@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvgate.admission_service.settings import load_settings
 from kvgate.operator.builders import (
     PoolRef,
     build_admin_token_secret,
@@ -30,6 +31,7 @@ from kvgate.operator.models import ExecutorPoolSpec, parse_spec
 from kvgate.operator.naming import (
     ANNOTATION_CONFIG_HASH,
     CONFIG_FILE,
+    CONFIG_KEY,
     EXECUTOR_TOKEN_FILE,
     LABEL_POOL,
     LABEL_REVISION,
@@ -219,9 +221,21 @@ def test_other_changes_keep_the_revision(change: dict[str, Any]) -> None:
     assert executor_revision(POOL, spec(**change)) == executor_revision(POOL, spec())
 
 
+def test_the_kubelet_waits_for_the_whole_admission_shutdown() -> None:
+    """SIGTERM to SIGKILL must cover the service's grace period and its closing budget, as
+    the service itself reads them from the ConfigMap: killed earlier, it never commits what it
+    answered during the grace period."""
+    full = parse_spec(POOL.name, FULL_SPEC)
+    rendered = build_admission_configmap(POOL, full)["data"][CONFIG_KEY]
+    settings = load_settings(None, yaml.safe_load(rendered))
+    pod = build_admission_deployment(POOL, full, image="a", admin_token="t")["spec"]["template"]
+    needed = settings.shutdown.grace_period_s + settings.shutdown.closing_timeout_s
+    assert pod["spec"]["terminationGracePeriodSeconds"] > needed
+
+
 def test_admission_config_file_contents() -> None:
     config = build_admission_config(POOL, parse_spec(POOL.name, FULL_SPEC))
-    assert set(config) == {"kafka", "scheduler", "admin", "executors", "telemetry"}
+    assert set(config) == {"kafka", "scheduler", "admin", "executors", "telemetry", "shutdown"}
     assert config["kafka"] == {
         "bootstrap_servers": "kafka-0:9093,kafka-1:9093",
         "request_topic": "kvgate.requests",

@@ -81,6 +81,13 @@ def _kafka_config(pool: PoolRef, kafka: KafkaSpec) -> dict[str, Any]:
     return config
 
 
+# On SIGTERM the service gives running work GRACE_PERIOD_S, then hands off, commits and closes
+# within CLOSING_TIMEOUT_S; the kubelet must not kill it before (the rest is process exit).
+GRACE_PERIOD_S = 30
+CLOSING_TIMEOUT_S = 20
+TERMINATION_GRACE_S = GRACE_PERIOD_S + CLOSING_TIMEOUT_S + 10
+
+
 def build_admission_config(pool: PoolRef, spec: ExecutorPoolSpec) -> dict[str, Any]:
     """The admission service's config file, as data (see ``render_admission_config``)."""
     telemetry: dict[str, Any] = {"service_name": f"{spec.telemetry.service_name}-admission"}
@@ -93,6 +100,7 @@ def build_admission_config(pool: PoolRef, spec: ExecutorPoolSpec) -> dict[str, A
         "admin": {"host": "0.0.0.0", "port": ADMIN_PORT, "token_file": ADMIN_TOKEN_FILE},
         "executors": {"token_file": EXECUTOR_TOKEN_FILE},
         "telemetry": telemetry,
+        "shutdown": {"grace_period_s": GRACE_PERIOD_S, "closing_timeout_s": CLOSING_TIMEOUT_S},
     }
 
 
@@ -184,6 +192,7 @@ def build_admission_deployment(
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "containers": [container],
         "volumes": volumes,
     }
