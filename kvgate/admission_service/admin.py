@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvgate.admission_service.engine import Engine
 from kvgate.admission_service.metrics import ServiceMetrics
-from kvgate.protocol.admin import AdminError, ExecutorMembership, ExecutorSet
+from kvgate.protocol.admin import AdminError, ExecutorMembership, ExecutorSet, QueueLoad
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class AdminApi:
         ready: Callable[[], bool],
         healthy: Callable[[], bool],
         outage: Callable[[], str | None] = lambda: None,
+        queue: Callable[[], QueueLoad] | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -62,6 +63,7 @@ class AdminApi:
         self._ready = ready
         self._healthy = healthy
         self._outage = outage  # why a dependency (Kafka) does not answer, else None
+        self._queue = queue
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20)
@@ -104,7 +106,8 @@ class AdminApi:
 
     async def _membership(self, _request: web.Request) -> web.Response:
         statuses = [h.status() for h in self._engine.handles.values()]
-        return _json(ExecutorMembership(executors=statuses))
+        queue = self._queue() if self._queue is not None else None
+        return _json(ExecutorMembership(executors=statuses, queue=queue))
 
     async def _set_membership(self, request: web.Request) -> web.Response:
         refusal = self._refusal(request)

@@ -55,6 +55,7 @@ from kvgate.admission_service.outbox import Outbox
 from kvgate.admission_service.settings import ServiceSettings, SettingsError
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
 from kvgate.admission_service.tracing import ServiceTracer
+from kvgate.protocol.admin import QueueLoad
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -224,6 +225,7 @@ class AdmissionService:
             ready=lambda: self.ready,
             healthy=lambda: self._failed is None,
             outage=self._outage,
+            queue=self._queue_load,
         )
         self._runner = web.AppRunner(api.app(), access_log=None)
         await self._runner.setup()
@@ -279,6 +281,11 @@ class AdmissionService:
     @property
     def failure(self) -> BaseException | None:
         return self._failed
+
+    def _queue_load(self) -> QueueLoad:
+        lag = self.intake.lag() if self.intake is not None else {}
+        unplaced = self.engine.num_unplaced if self.engine is not None else 0
+        return QueueLoad(consumer_lag=sum(lag.values()), unplaced=unplaced)
 
     def _snapshot(self) -> StateSnapshot:
         engine = self.engine

@@ -283,6 +283,43 @@ class AdmissionSpec(_Spec):
     resources: ResourceRequirements = ResourceRequirements()
 
 
+class AutoscalingSpec(_Spec):
+    """Executors from the queue's load (semantics: ``autoscale.py`` and docs/operator.md).
+    With it set, the operator owns ``spec.replicas`` and writes it through the scale
+    subresource."""
+
+    min_replicas: Annotated[int, Field(ge=0, le=1024)] = 1
+    max_replicas: Annotated[int, Field(ge=1, le=1024)]
+    target_consumer_lag_per_executor: Annotated[int, Field(ge=1)] | None = None
+    target_waiting_per_executor: Annotated[int, Field(ge=1)] | None = None
+    target_kv_cache_usage: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    scale_up_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = 0
+    scale_down_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = 300
+    max_scale_up_step: Annotated[int, Field(ge=1, le=1024)] = 4
+    max_scale_down_step: Annotated[int, Field(ge=1, le=1024)] = 1
+    scale_to_zero_after_seconds: Annotated[int, Field(ge=0, le=86400)] = 600
+    # How often the load is read and a decision taken.
+    sync_period_seconds: Annotated[int, Field(ge=1, le=600)] = 15
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas ({self.min_replicas}) exceeds maxReplicas ({self.max_replicas})"
+            )
+        targets = (
+            self.target_consumer_lag_per_executor,
+            self.target_waiting_per_executor,
+            self.target_kv_cache_usage,
+        )
+        if all(target is None for target in targets):
+            raise ValueError(
+                "set at least one of targetConsumerLagPerExecutor, targetWaitingPerExecutor "
+                "and targetKvCacheUsage"
+            )
+        return self
+
+
 _SCHEDULER_FIELDS: Final = {to_camel(name): name for name in SchedulerConfig.model_fields}
 
 
@@ -305,6 +342,7 @@ class ExecutorPoolSpec(_Spec):
     token_secret: TokenSecretRef
     admission: AdmissionSpec = AdmissionSpec()
     drain_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 300
+    autoscaling: AutoscalingSpec | None = None
 
     @field_validator("scheduler", mode="before")
     @classmethod

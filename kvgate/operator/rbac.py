@@ -38,6 +38,7 @@ class Rule:
 REQUIRED_RULES: Final[tuple[Rule, ...]] = (
     Rule(GROUP, (PLURAL,), ("get", "list", "watch", "patch"), "watch pools; kopf's bookkeeping"),
     Rule(GROUP, (f"{PLURAL}/status",), ("patch",), "report pool status"),
+    Rule(GROUP, (f"{PLURAL}/scale",), ("patch",), "autoscaling: set replicas from the load"),
     Rule(
         "",
         ("pods",),

@@ -9,16 +9,16 @@ acts on the latest spec. Its phases::
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from pydantic import ValidationError
 
-from kvgate.operator import planner
+from kvgate.operator import autoscale, planner
 from kvgate.operator.admin import AdminClient, AdminRejected, AdminUnavailable, admin_url
 from kvgate.operator.builders import (
     PoolRef,
@@ -64,8 +64,14 @@ from kvgate.operator.report import (
     pool_status,
     problem_status_patch,
 )
-from kvgate.operator.status import ConditionType, Phase, PoolStatus
-from kvgate.protocol.admin import ExecutorSet, ExecutorStatus
+from kvgate.operator.status import (
+    AutoscalingStatus,
+    ConditionType,
+    Phase,
+    PoolStatus,
+    RecommendationEntry,
+)
+from kvgate.protocol.admin import ExecutorMembership, ExecutorSet
 
 
 class EventSink(Protocol):
@@ -89,6 +95,8 @@ class Outcome:
     # Waiting for something no watch event reports (a drain, the admin API, a name conflict):
     # only looking again tells when it is over.
     poll: bool = False
+    # An autoscaled pool: look again this soon whatever the outcome (its load is no event).
+    sync_s: float | None = None
 
 
 class Blocked(Exception):
@@ -154,13 +162,17 @@ class Reconciler:
         )
         paused = spec.admission.replicas == 0
         # No admission service, no work on any executor: nothing to drain or to tell.
-        membership, admin_problem = ([], "") if paused else await self._membership(admin)
+        reading, admin_problem = (None, "") if paused else await self._membership(admin)
+        membership = [] if paused else None if reading is None else reading.executors
         now = self._clock().replace(microsecond=0)
         revision = executor_revision(ref, spec)
+        replicas, scaling = spec.replicas, None
+        if spec.autoscaling is not None:
+            replicas, scaling = await self._autoscale(raw, pool, spec, reading, now)
         plan = planner.plan(
             planner.PlanInput(
                 pool=ref.name,
-                replicas=spec.replicas,
+                replicas=replicas,
                 revision=revision,
                 pods=pods,
                 membership=membership,
@@ -171,15 +183,61 @@ class Reconciler:
             )
         )
         await self._act(plan, raw=raw, ref=ref, spec=spec, admin=admin, now=now)
-        status = pool_status(pool, plan, now)
+        status = pool_status(pool, plan, now, autoscaling=scaling)
         await self._write_status(pool, status)
+        sync_s = None if spec.autoscaling is None else float(spec.autoscaling.sync_period_seconds)
         if plan.converged:
-            return Outcome(OutcomeKind.CONVERGED)
+            return Outcome(OutcomeKind.CONVERGED, sync_s=sync_s)
         ready = next(c for c in status.conditions if c.type is ConditionType.READY)
         poll = plan.draining or membership is None
         # Pod changes arrive as events; the slower resync only guards against missed ones.
         delay_s = self._config.poll_interval_s if poll else self._config.resync_interval_s
-        return Outcome(OutcomeKind.WAITING, ready.message, delay_s, poll=poll)
+        return Outcome(OutcomeKind.WAITING, ready.message, delay_s, poll=poll, sync_s=sync_s)
+
+    async def _autoscale(
+        self,
+        raw: RawObject,
+        pool: ObservedPool,
+        spec: ExecutorPoolSpec,
+        reading: ExecutorMembership | None,
+        now: datetime,
+    ) -> tuple[int, AutoscalingStatus]:
+        """Decide the executor count from the load (``autoscale.py``) and write it through
+        the scale subresource: the replicas this pass plans for, and the status to keep."""
+        assert spec.autoscaling is not None
+        before = _autoscaling_status(pool.status)
+        load = None
+        if reading is not None and reading.queue is not None:
+            load = autoscale.Load(reading.queue, reading.executors)
+        history = [autoscale.Recommendation(r.time, r.replicas) for r in before.recommendations]
+        decision = autoscale.decide(
+            spec.autoscaling,
+            current=spec.replicas,
+            load=load,
+            history=history,
+            idle_since=before.idle_since,
+            now=now,
+        )
+        last_scale_time = before.last_scale_time
+        if decision.replicas != spec.replicas:
+            scale = {"spec": {"replicas": decision.replicas}}
+            await self._kube.merge_patch(
+                EXECUTOR_POOLS, pool.namespace, pool.name, scale, subresource="scale"
+            )
+            last_scale_time = now
+            verb = "ScaledUp" if decision.replicas > spec.replicas else "ScaledDown"
+            message = f"{spec.replicas} -> {decision.replicas} executors: {decision.reason}"
+            self._event(raw, "Normal", verb, message)
+        status = AutoscalingStatus(
+            desired_replicas=decision.replicas,
+            reason=decision.reason[:1024],
+            last_scale_time=last_scale_time,
+            idle_since=decision.idle_since,
+            recommendations=[
+                RecommendationEntry(time=r.at, replicas=r.replicas) for r in decision.history
+            ],
+        )
+        return decision.replicas, status
 
     async def _ensure_children(
         self, ref: PoolRef, spec: ExecutorPoolSpec, image: str, token: str
@@ -247,9 +305,9 @@ class Reconciler:
                 ) from None
             raise
 
-    async def _membership(self, admin: AdminClient) -> tuple[list[ExecutorStatus] | None, str]:
+    async def _membership(self, admin: AdminClient) -> tuple[ExecutorMembership | None, str]:
         try:
-            return (await admin.membership()).executors, ""
+            return await admin.membership(), ""
         except (AdminUnavailable, AdminRejected) as error:
             return None, str(error)
 
@@ -307,3 +365,11 @@ class Reconciler:
             await self._kube.merge_patch(
                 EXECUTOR_POOLS, pool.namespace, pool.name, patch, subresource="status"
             )
+
+
+def _autoscaling_status(status: Mapping[str, Any]) -> AutoscalingStatus:
+    """What the last pass decided (an absent or unreadable entry starts afresh)."""
+    try:
+        return AutoscalingStatus.model_validate(status.get("autoscaling"))
+    except ValidationError:
+        return AutoscalingStatus(desired_replicas=0, reason="")

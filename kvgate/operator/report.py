@@ -18,6 +18,7 @@ from kvgate.operator.naming import (
 from kvgate.operator.observe import ObservedPool
 from kvgate.operator.planner import Cause, Deletion, Plan, Removal
 from kvgate.operator.status import (
+    AutoscalingStatus,
     ConditionStatus,
     ConditionType,
     ConditionUpdate,
@@ -40,8 +41,13 @@ def phase(plan: Plan) -> Phase:
     return Phase.PROGRESSING
 
 
-def pool_status(pool: ObservedPool, plan: Plan, now: datetime) -> PoolStatus:
+def pool_status(
+    pool: ObservedPool, plan: Plan, now: datetime, *, autoscaling: AutoscalingStatus | None = None
+) -> PoolStatus:
     selector = executor_selector(pool.name)
+    updates = conditions(plan)
+    if autoscaling is not None:
+        updates = (*updates, _autoscaling_condition(autoscaling))
     return PoolStatus(
         phase=phase(plan),
         observed_generation=pool.generation,
@@ -51,9 +57,19 @@ def pool_status(pool: ObservedPool, plan: Plan, now: datetime) -> PoolStatus:
         revision=plan.input.revision,
         selector=",".join(f"{key}={value}" for key, value in sorted(selector.items())),
         executors=list(plan.executors),
-        conditions=merge_conditions(
-            pool.conditions, conditions(plan), now=now, generation=pool.generation
-        ),
+        autoscaling=autoscaling,
+        conditions=merge_conditions(pool.conditions, updates, now=now, generation=pool.generation),
+    )
+
+
+def _autoscaling_condition(autoscaling: AutoscalingStatus) -> ConditionUpdate:
+    """True while decisions are taken from load readings; the reason says the last one."""
+    reading = not autoscaling.reason.startswith("no load reading")
+    return ConditionUpdate(
+        type=ConditionType.AUTOSCALING,
+        status=ConditionStatus.TRUE if reading else ConditionStatus.FALSE,
+        reason="ScalingActive" if reading else "NoLoadReading",
+        message=f"{autoscaling.desired_replicas} executors: {autoscaling.reason}",
     )
 
 

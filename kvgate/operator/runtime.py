@@ -5,6 +5,11 @@ Built once in ``on.startup`` and kept in kopf's memo; closed in ``on.cleanup``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -17,11 +22,58 @@ from kvgate.operator.passes import PassRunner
 from kvgate.operator.reconciler import Outcome, Reconciler
 
 _MEMO_KEY = "kvgate_runtime"
+log = logging.getLogger(__name__)
 
 
 def post_event(obj: RawObject, *, type: str, reason: str, message: str) -> None:
     """Post a Kubernetes Event through kopf's poster (it needs the operator's context)."""
     kopf.event(kopf.Body(cast(kopf.RawBody, obj)), type=type, reason=reason, message=message)
+
+
+class SyncTicker:
+    """Passes over autoscaled pools every ``sync_s`` their last pass asked for, whatever the
+    watch events: load is no Kubernetes event. One task for the whole operator; a pool is known
+    here once a pass has run over it (kopf's resume handler runs one for every pool at start),
+    and forgotten when a pass says it is gone or no longer autoscaled."""
+
+    def __init__(self, run: Callable[[str, str], Awaitable[Outcome]]) -> None:
+        self._run = run
+        self._due: dict[tuple[str, str], float] = {}
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="kvgate-autoscale-sync")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def saw(self, namespace: str, name: str, outcome: Outcome) -> None:
+        key = (namespace, name)
+        if outcome.sync_s is None:
+            self._due.pop(key, None)
+        else:
+            self._due[key] = time.monotonic() + outcome.sync_s
+            self._changed.set()
+
+    async def _loop(self) -> None:
+        while True:
+            self._changed.clear()
+            now = time.monotonic()
+            due = [key for key, at in self._due.items() if at <= now]
+            for namespace, name in due:
+                self._due.pop((namespace, name), None)
+                try:
+                    await self._run(namespace, name)  # its outcome re-arms it (saw)
+                except Exception as error:
+                    log.warning("autoscaling pass over %s/%s failed: %r", namespace, name, error)
+                    self._due[(namespace, name)] = time.monotonic() + 5.0
+            wait_s = min(self._due.values(), default=now + 60.0) - time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(wait_s, 0.05))
 
 
 @dataclass
@@ -30,6 +82,7 @@ class Runtime:
     kube: KubeApi
     admin_session: aiohttp.ClientSession
     passes: PassRunner[Outcome]
+    ticker: SyncTicker
 
     @classmethod
     def start(cls, config: OperatorConfig, login: Login) -> Runtime:
@@ -39,9 +92,19 @@ class Runtime:
             headers={"User-Agent": "kvgate-operator"},
         )
         reconciler = Reconciler(kube, admin_session, config, post_event)
-        return cls(config, kube, admin_session, PassRunner(reconciler.reconcile))
+
+        async def run_pass(namespace: str, name: str) -> Outcome:
+            outcome = await reconciler.reconcile(namespace, name)
+            ticker.saw(namespace, name, outcome)
+            return outcome
+
+        passes = PassRunner(run_pass)
+        ticker = SyncTicker(passes.run)
+        ticker.start()
+        return cls(config, kube, admin_session, passes, ticker)
 
     async def close(self) -> None:
+        await self.ticker.close()
         await self.admin_session.close()
         await self.kube.close()
 

@@ -27,6 +27,7 @@ class ConditionType(StrEnum):
     PROGRESSING = "Progressing"
     ADMISSION_SYNCED = "AdmissionSynced"
     DRAINING = "Draining"
+    AUTOSCALING = "Autoscaling"
 
 
 class ConditionStatus(StrEnum):
@@ -69,6 +70,19 @@ class ExecutorEntry(_Status):
     draining: bool
 
 
+class RecommendationEntry(_Status):
+    time: datetime
+    replicas: int
+
+
+class AutoscalingStatus(_Status):
+    desired_replicas: int
+    reason: str
+    last_scale_time: datetime | None = None
+    idle_since: datetime | None = None
+    recommendations: list[RecommendationEntry] = []
+
+
 class PoolStatus(_Status):
     phase: Phase
     observed_generation: int | None = None
@@ -78,6 +92,7 @@ class PoolStatus(_Status):
     revision: str | None = None
     selector: str | None = None
     executors: list[ExecutorEntry] = []
+    autoscaling: AutoscalingStatus | None = None
     conditions: list[Condition] = []
 
     def to_patch(self) -> dict[str, Any]:

@@ -57,8 +57,19 @@ class ExecutorStatus(_Body):
     kv_blocks_total: Annotated[int, Field(ge=0)]
 
 
+class QueueLoad(_Body):
+    """The service's queue as the autoscaler reads it."""
+
+    # Records of the requests topic not yet committed, over the partitions this service owns
+    # (read and unanswered ones included); as of the last fetch.
+    consumer_lag: Annotated[int, Field(ge=0)]
+    # Requests read and queued with no executor to run on (e.g. while the pool has none).
+    unplaced: Annotated[int, Field(ge=0)]
+
+
 class ExecutorMembership(_Body):
     executors: list[ExecutorStatus]
+    queue: QueueLoad | None = None  # absent from services that do not report it
 
 
 class AdminError(_Body):
