@@ -42,8 +42,6 @@ class SyncTicker:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="kvgate-autoscale-sync")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -58,6 +56,10 @@ class SyncTicker:
         else:
             self._due[key] = time.monotonic() + outcome.sync_s
             self._changed.set()
+            if self._task is None:
+                # Started from within a handler's pass: the task inherits kopf's context,
+                # which posting Events needs.
+                self._task = asyncio.create_task(self._loop(), name="kvgate-autoscale-sync")
 
     async def _loop(self) -> None:
         while True:
@@ -100,7 +102,6 @@ class Runtime:
 
         passes = PassRunner(run_pass)
         ticker = SyncTicker(passes.run)
-        ticker.start()
         return cls(config, kube, admin_session, passes, ticker)
 
     async def close(self) -> None:

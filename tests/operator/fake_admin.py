@@ -27,6 +27,7 @@ from kvgate.protocol.admin import (
     ExecutorSet,
     ExecutorState,
     ExecutorStatus,
+    QueueLoad,
 )
 from tests.operator.local_http import serve_locally, successful_calls
 
@@ -66,6 +67,7 @@ class FakeAdminApi:
     journal: list[AdminCall] = field(default_factory=list)
     members: dict[str, _Member] = field(default_factory=dict)
     unavailable: bool = False
+    queue: QueueLoad | None = None  # the load reading the autoscaler gets (None: not reported)
     _runner: web.AppRunner | None = None
     url: str = ""
 
@@ -129,7 +131,8 @@ class FakeAdminApi:
 
     def _membership(self) -> ExecutorMembership:
         return ExecutorMembership(
-            executors=[member.status(name) for name, member in sorted(self.members.items())]
+            executors=[member.status(name) for name, member in sorted(self.members.items())],
+            queue=self.queue,
         )
 
     async def _get_membership(self, request: web.Request) -> web.Response:

@@ -27,6 +27,7 @@ import yaml
 from kopf.testing import KopfRunner
 
 from kvgate.operator.naming import ADMIN_TOKEN_KEY, admin_token_secret_name
+from kvgate.protocol.admin import QueueLoad
 from tests.chart.helm import Helm
 from tests.chart.manifests import render
 from tests.chart.value_sets import ValueSet
@@ -229,10 +230,10 @@ class Pools:
     created: list[str] = field(default_factory=list)
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
 
-    async def create(self, name: str, replicas: int) -> dict[str, Any]:
+    async def create(self, name: str, replicas: int, **spec: Any) -> dict[str, Any]:
         self.admin_token.pool = name
         self.created.append(name)
-        manifest = pool_manifest(name, replicas=replicas)
+        manifest = pool_manifest(name, replicas=replicas, **spec)
         return dict(_ok(await call(self.apiserver, "POST", POOLS, manifest)))
 
     async def start_pods(self, names: list[str]) -> None:
@@ -391,3 +392,54 @@ async def test_scale_subresource_scales_the_pool(apiserver: KubeApiServer, pools
     assert scale is not None
     assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (3, 3)
     assert scale["status"]["selector"] == scaled["status"]["selector"]
+
+
+async def test_autoscaling_follows_the_queue_through_the_scale_subresource(
+    apiserver: KubeApiServer, admin_api: FakeAdminApi, pools: Pools
+) -> None:
+    """A burst in the queue scales up (capped per step), a quiet queue scales down one
+    executor per step after draining it, down to the minimum; every step is an Event."""
+    autoscaling = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targetConsumerLagPerExecutor": 10,
+        "maxScaleUpStep": 2,
+        "scaleDownStabilizationSeconds": 0,
+        "syncPeriodSeconds": 1,
+    }
+    admin_api.queue = QueueLoad(consumer_lag=0, unplaced=0)
+    await pools.create("gamma", replicas=1, autoscaling=autoscaling)
+    await pools.start_pods(["gamma-0"])
+    await pool_status(apiserver, "gamma", phase="Ready", readyReplicas=1)
+
+    admin_api.queue = QueueLoad(consumer_lag=35, unplaced=0)  # ceil(35 / 10) = 4
+    await pools.start_pods(["gamma-1", "gamma-2", "gamma-3"])
+    scaled = await pool_status(apiserver, "gamma", phase="Ready", readyReplicas=4, replicas=4)
+    assert scaled["spec"]["replicas"] == 4
+    assert scaled["status"]["autoscaling"]["desiredReplicas"] == 4
+    ups = await scaling_events(apiserver, "gamma", "ScaledUp")
+    assert {m.split(":")[0] for m in ups} == {"1 -> 3 executors", "3 -> 4 executors"}
+
+    admin_api.queue = QueueLoad(consumer_lag=0, unplaced=0)
+    quiet = await pool_status(apiserver, "gamma", phase="Ready", readyReplicas=1, replicas=1)
+    assert quiet["spec"]["replicas"] == 1
+    downs = await scaling_events(apiserver, "gamma", "ScaledDown")
+    assert {m.split(":")[0] for m in downs} == {
+        "4 -> 3 executors",
+        "3 -> 2 executors",
+        "2 -> 1 executors",
+    }
+    # Each removed executor was drained through the admin API before its pod went.
+    drained = {call.path.split("/")[3] for call in admin_api.calls("POST", "/v1/executors/")}
+    assert drained == {"gamma-1", "gamma-2", "gamma-3"}
+    condition = next(c for c in quiet["status"]["conditions"] if c["type"] == "Autoscaling")
+    assert (condition["status"], condition["reason"]) == ("True", "ScalingActive")
+
+
+async def scaling_events(apiserver: KubeApiServer, pool: str, reason: str) -> list[str]:
+    events = await get(apiserver, f"/api/v1/namespaces/{NAMESPACE}/events")
+    assert events is not None
+    mine = [
+        e for e in events["items"] if e["reason"] == reason and e["involvedObject"]["name"] == pool
+    ]
+    return [e["message"] for e in mine]
