@@ -42,7 +42,6 @@ class SyncTicker:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
