@@ -294,3 +294,44 @@ async def test_rolling_update_with_work_in_flight(
     assert set(pod_endpoints(cluster).values()).isdisjoint(old_endpoints.values())
 
     await results_once(broker, topics["results"], {r["request_id"] for r in produced})
+
+
+async def test_autoscaling_from_zero_and_back_loses_no_request(
+    cluster: ServiceCluster,
+    operator: KopfRunner,
+    broker: EmbeddedBroker,
+    topics: dict[str, str],
+) -> None:
+    """A pool at zero executors wakes on its first requests, grows with the real service's
+    consumer lag, and goes back to zero once idle; every request is answered exactly once."""
+    autoscaling = {
+        "minReplicas": 0,
+        "maxReplicas": 3,
+        "targetConsumerLagPerExecutor": 4,
+        "scaleDownStabilizationSeconds": 1,
+        "scaleToZeroAfterSeconds": 1,
+        "syncPeriodSeconds": 1,
+    }
+    await cluster.create(service_pool(broker, topics, replicas=0, autoscaling=autoscaling))
+    await cluster.wait_for(lambda: cluster.status().get("autoscaling") is not None, 60)
+    assert not cluster.pods()
+
+    produced = requests("burst", 12, max_tokens=60)  # lag 12: three executors
+    await produce(broker.bootstrap, topics["requests"], produced)
+    await cluster.wait_for(lambda: len(cluster.pods()) == 3, within_s=60)
+    results = await results_once(broker, topics["results"], {r["request_id"] for r in produced})
+    assert all(len(r.output_token_ids) == 60 for r in results)
+    assert cluster.events("ScaledUp")
+
+    # Idle: back to zero, each executor drained before its pod went.
+    await cluster.wait_for(lambda: not cluster.pods(), within_s=60)
+    assert cluster.pool("pool")["spec"]["replicas"] == 0
+    assert cluster.events("ScaledDown")
+
+    # And woken again by the next request.
+    again = requests("again", 2, max_tokens=8)
+    await produce(broker.bootstrap, topics["requests"], again)
+    answered = await results_once(
+        broker, topics["results"], {r["request_id"] for r in produced + again}
+    )
+    assert {r.request_id for r in answered} >= {"again-0", "again-1"}
