@@ -262,7 +262,11 @@ def test_operator_deployment_never_runs_two(rendered: Rendered) -> None:
     deployment = rendered.one("Deployment")
     assert deployment["spec"]["replicas"] in (0, 1)
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
-    budgets = rendered.of_kind("PodDisruptionBudget")
+    budgets = [
+        b
+        for b in rendered.of_kind("PodDisruptionBudget")
+        if b["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
     if (
         rendered.value_set.values.get("operator", {})
         .get("podDisruptionBudget", {})

@@ -128,6 +128,31 @@ VALUE_SETS: tuple[ValueSet, ...] = (
         },
     ),
     ValueSet(
+        "gateway",
+        namespace="serving",
+        values={
+            "networkPolicy": {"enabled": True, "metricsFrom": [PROMETHEUS_PEER]},
+            "kafka": {"bootstrapServers": "kafka-0.kafka.data:9092"},
+            "gateway": {
+                "enabled": True,
+                "model": "smollm2",
+                "apiKeys": {"secretName": "gateway-keys"},
+                "tokenizer": {
+                    "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+                    "path": "smollm2/tokenizer.json",
+                },
+                "ingress": {
+                    "enabled": True,
+                    "className": "nginx",
+                    "host": "llm.example.com",
+                    "tlsSecretName": "llm-tls",
+                },
+                "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
+                "networkPolicy": {"from": [PROMETHEUS_PEER]},
+            },
+        },
+    ),
+    ValueSet(
         "custom-release",
         release="llm-prod",
         namespace="inference",

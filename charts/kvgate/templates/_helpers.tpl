@@ -40,6 +40,18 @@ app.kubernetes.io/component: operator
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The gateway pods' selector; never change it (StatefulSet selectors are immutable). */}}
+{{- define "kvgate.gateway.selectorLabels" -}}
+app.kubernetes.io/name: kvgate
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{- define "kvgate.gateway.labels" -}}
+{{ include "kvgate.labels" . }}
+app.kubernetes.io/component: gateway
+{{- end -}}
+
 {{/*
 Labels the operator sets on the pods it creates (naming.py: LABEL_NAME, LABEL_COMPONENT,
 LABEL_MANAGED_BY with APP_NAME, COMPONENT_* and MANAGED_BY). Argument: the component.
