@@ -276,7 +276,8 @@ class Gateway:
         new: bool, received: float, labels: dict[str, str],
     ) -> web.StreamResponse:  # fmt: skip
         """Server-sent events: nothing is sent before the first token or the result, so a
-        rejection still gets its HTTP status."""
+        rejection still gets its HTTP status; the first token opens the stream (headers, and
+        chat's role chunk) even when its text is held back."""
         rid = mapped.request.request_id
         chat = isinstance(mapped.request.messages, list)
         chunks = ChunkMaker(rid, route.name, chat=chat)
@@ -285,7 +286,8 @@ class Gateway:
         deadline = received + self.settings.request_timeout_s
         last_token: float | None = None
 
-        async def send(event: dict[str, Any] | str) -> None:
+        async def send(event: dict[str, Any] | str | None) -> None:
+            """Write ``event`` (None: only open the stream: headers, and chat's role chunk)."""
             nonlocal response
             if response is None:
                 response = web.StreamResponse(
@@ -299,7 +301,8 @@ class Gateway:
                 first = chunks.first()
                 if first is not None:
                     await response.write(_sse(first))
-            await response.write(_sse(event))
+            if event is not None:
+                await response.write(_sse(event))
 
         try:
             while not (waiter.result.done() and waiter.tokens.empty()):
@@ -323,8 +326,8 @@ class Gateway:
                     self.metrics.itl.labels(**labels).observe(now - last_token)
                 last_token = now
                 delta = text.add(chunk.token_id)
-                if delta:
-                    await send(chunks.text(delta))
+                if delta or response is None:  # the first token opens the stream
+                    await send(chunks.text(delta) if delta else None)
             result = waiter.result.result()
             error = result_error(result, chat=chat)
             if error is not None:
