@@ -89,6 +89,9 @@ class ReplyBridge:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             isolation_level="read_uncommitted",  # the copy is written with its result
+            # A broker that holds an empty fetch for its whole wait (Tansu does) would add up
+            # to this much to every token's latency: short polls, a few per second when idle.
+            fetch_max_wait_ms=20,
         )
         await self._consumer.start()
         tp = TopicPartition(self.reply.topic, self.reply.partition)
