@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -120,12 +121,10 @@ class Gateway:
         try:
             response: web.StreamResponse = await handler(request)
         except ApiError as exc:
-            response = web.json_response(exc.body(), status=exc.status)
-            if exc.status == 429 and exc.code is not None and exc.code.startswith("retry:"):
-                response.headers["Retry-After"] = exc.code.removeprefix("retry:")
-                exc.code = "rate_limit_exceeded"
-                response.body = json.dumps(exc.body()).encode()
-        self.metrics.requests.labels(endpoint=request.path, status=str(response.status)).inc()
+            response = web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"  # bounded labels
+        self.metrics.requests.labels(endpoint=endpoint, status=str(response.status)).inc()
         return response
 
     def _authenticate(self, request: web.Request) -> ApiKey:
@@ -220,7 +219,8 @@ class Gateway:
             self.metrics.rate_limited.labels(key=key.name).inc()
             raise ApiError(
                 429, f"rate limit of API key '{key.name}' exceeded", type_="requests",
-                code=f"retry:{max(1, round(retry_after + 0.5))}",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(retry_after)))},
             )  # fmt: skip
 
     async def _wait(self, waiter: Waiter, request_id: str, new: bool) -> InferenceResult:
@@ -305,7 +305,9 @@ class Gateway:
                 await response.write(_sse(event))
 
         try:
-            while not (waiter.result.done() and waiter.tokens.empty()):
+            # Only the HTTP request that produced the record reads its tokens; one that joined
+            # it (the same request id, in flight here) streams the answer when it is in.
+            while new and not (waiter.result.done() and waiter.tokens.empty()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError
@@ -328,7 +330,8 @@ class Gateway:
                 delta = text.add(chunk.token_id)
                 if delta or response is None:  # the first token opens the stream
                     await send(chunks.text(delta) if delta else None)
-            result = waiter.result.result()
+            remaining = max(0.0, deadline - time.monotonic())
+            result = await asyncio.wait_for(asyncio.shield(waiter.result), remaining)
             error = result_error(result, chat=chat)
             if error is not None:
                 if response is None:
