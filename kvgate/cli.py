@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvgate.local.run",
         "run broker, executor and admission service here, serving until Ctrl-C",
     ),
+    "gateway": ("kvgate.gateway.cli", "serve the OpenAI-compatible HTTP API over Kafka"),
     "produce": ("kvgate.client.produce", "produce requests from a JSON-lines file"),
     "results": ("kvgate.client.results", "print results as JSON lines"),
     "operator": ("kvgate.operator.cli", "run the ExecutorPool operator (kopf)"),

@@ -26,6 +26,7 @@ from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.records import (
     InferenceResult,
     RejectCode,
+    ReplyTo,
     ResultStatus,
     SourceRef,
     TokenChunk,
@@ -35,13 +36,15 @@ from kvgate.protocol.records import (
 class OutcomeSink(Protocol):
     """Where answers go. ``answer`` and ``reject`` make the source offset final."""
 
-    def answer(self, result: InferenceResult, traceparent: str | None) -> None: ...
+    def answer(
+        self, result: InferenceResult, traceparent: str | None, reply: ReplyTo | None = None
+    ) -> None: ...
 
     def reject(
         self, record: RawRecord, rejection: Rejection, result: InferenceResult | None
     ) -> None: ...
 
-    def token(self, source: SourceRef, chunk: TokenChunk) -> None: ...
+    def token(self, source: SourceRef, chunk: TokenChunk, reply: ReplyTo | None = None) -> None: ...
 
 
 class Answers:
@@ -107,7 +110,7 @@ class Answers:
             request_id=event.request_id, index=event.output_index,
             token_id=event.token_id, exit_depth=event.exit_depth,
         )  # fmt: skip
-        self._sink.token(tracked.source, chunk)
+        self._sink.token(tracked.source, chunk, tracked.request.reply)
 
     def handed_off(self, tracked: Tracked) -> None:
         """No answer: another instance owns the request now (its span says so)."""
@@ -115,7 +118,7 @@ class Answers:
 
     def _deliver(self, tracked: Tracked, result: InferenceResult) -> None:
         self._answered.add(result.request_id)
-        self._sink.answer(result, tracked.traceparent)
+        self._sink.answer(result, tracked.traceparent, tracked.request.reply)
         self._metrics.results.labels(status=result.status.value).inc()
         self._metrics.observe_result(tracked.request.priority, result)
         self._tracer.finish_request(tracked.span, tracked.request, result)

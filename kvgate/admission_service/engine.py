@@ -305,8 +305,9 @@ class Engine:
                     tracked.logprobs.append(output_logprobs(event, self._tokenizer))
                 if tracked.request.stop and self._tokenizer is not None:
                     self._stop_on_text(handle, tracked, event)
+                reply = tracked.request.reply
                 if (
-                    token_stream
+                    (token_stream or (reply is not None and reply.tokens))
                     and not tracked.handed_off
                     and event.output_index >= tracked.tokens_out
                 ):

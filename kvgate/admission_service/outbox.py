@@ -60,12 +60,20 @@ from kvgate.admission_service.faults import BEFORE_COMMIT, CrashPoints
 from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import CommitPoint, PartitionLedger
+from kvgate.admission_service.replies import (
+    RESULT_KIND,
+    TOKEN_KIND,
+    ReplyRoutes,
+    reply_headers,
+    reply_of,
+)
 from kvgate.admission_service.settings import KafkaSettings
 from kvgate.admission_service.validation import RawRecord, Rejection
 from kvgate.protocol.records import (
     TRACEPARENT_HEADER,
     DeadLetter,
     InferenceResult,
+    ReplyTo,
     SourceRef,
     TokenChunk,
 )
@@ -83,6 +91,19 @@ def _ignore_fencing(partition: int) -> None:
     """The default ``on_fenced``: nothing else to tell."""
 
 
+def _reply_record(reply: ReplyTo, key: bytes, value: bytes, kind: bytes) -> OutRecord:
+    return OutRecord(reply.topic, reply.partition, key, value, reply_headers(kind), reply=True)
+
+
+def _skipped_future(record: OutRecord) -> asyncio.Future[RecordMetadata]:
+    """The outcome of a reply copy that was not sent (unroutable): done, so that it neither
+    holds its request's offset back nor is sent again."""
+    future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+    tp = TopicPartition(record.topic, record.partition or 0)
+    future.set_result(RecordMetadata(record.topic, tp.partition, tp, -1, -1, 0, 0))
+    return future
+
+
 @dataclass(frozen=True, slots=True)
 class OutRecord:
     topic: str
@@ -91,6 +112,7 @@ class OutRecord:
     value: bytes | None
     headers: list[tuple[str, bytes]]
     letter: DeadLetter | None = None  # on a dead letter: what its headers say
+    reply: bool = False  # a copy to a reply address: skipped when unroutable (replies.py)
 
 
 @dataclass(slots=True)
@@ -160,6 +182,7 @@ class Outbox:
         self._soon = asyncio.Event()
         self._stopping = False
         self._num_pending = 0  # records
+        self.reply_routes = ReplyRoutes()
 
     # ----------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -256,16 +279,18 @@ class Outbox:
             return True  # not ours (revoked or fenced): never run it
         return ledger.read(offset) is not None
 
-    def answer(self, result: InferenceResult, traceparent: str | None) -> None:
+    def answer(
+        self, result: InferenceResult, traceparent: str | None, reply: ReplyTo | None = None
+    ) -> None:
         headers = [] if traceparent is None else [(TRACEPARENT_HEADER, traceparent.encode())]
-        record = OutRecord(
-            self.settings.result_topic,
-            result.source.partition,
-            result.request_id.encode(),
-            result.model_dump_json(exclude_none=True).encode(),
-            headers,
-        )
-        self._add(result.source, [record])
+        value = result.model_dump_json(exclude_none=True).encode()
+        key = result.request_id.encode()
+        records = [
+            OutRecord(self.settings.result_topic, result.source.partition, key, value, headers)
+        ]
+        if reply is not None:
+            records.append(_reply_record(reply, key, value, RESULT_KIND))
+        self._add(result.source, records)
 
     def reject(
         self, record: RawRecord, rejection: Rejection, result: InferenceResult | None
@@ -280,15 +305,12 @@ class Outbox:
         )
         out = [self._dead_letter(record.key, record.value, list(record.headers), letter)]
         if result is not None:
-            out.append(
-                OutRecord(
-                    self.settings.result_topic,
-                    record.partition,
-                    result.request_id.encode(),
-                    result.model_dump_json(exclude_none=True).encode(),
-                    [],
-                )
-            )
+            key = result.request_id.encode()
+            value = result.model_dump_json(exclude_none=True).encode()
+            out.append(OutRecord(self.settings.result_topic, record.partition, key, value, []))
+            reply = reply_of(record.value)
+            if reply is not None:
+                out.append(_reply_record(reply, key, value, RESULT_KIND))
         self.metrics.dead_letters.inc()
         source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
         self._add(source, out)
@@ -317,16 +339,21 @@ class Outbox:
             self.settings.dlq_topic, None, copy.key, copy.value, copy.headers, copy.letter
         )
 
-    def token(self, source: SourceRef, chunk: TokenChunk) -> None:
-        topic = self.settings.token_topic
-        if topic is None or source.partition not in self.ledgers:
+    def token(self, source: SourceRef, chunk: TokenChunk, reply: ReplyTo | None = None) -> None:
+        if source.partition not in self.ledgers:
             return
-        record = OutRecord(
-            topic, source.partition, chunk.request_id.encode(), chunk.model_dump_json().encode(), []
-        )
-        entry = _Entry(None, [record], self.settings.result_topic)
+        key = chunk.request_id.encode()
+        value = chunk.model_dump_json().encode()
+        records = []
+        if self.settings.token_topic is not None:
+            records.append(OutRecord(self.settings.token_topic, source.partition, key, value, []))
+        if reply is not None and reply.tokens:
+            records.append(_reply_record(reply, key, value, TOKEN_KIND))
+        if not records:
+            return
+        entry = _Entry(None, records, self.settings.result_topic)
         self._pending.setdefault(source.partition, []).append(entry)
-        self._count(1)
+        self._count(len(records))
 
     def _add(self, source: SourceRef, records: list[OutRecord]) -> None:
         entry = _Entry(source.offset, records, self.settings.result_topic)
@@ -395,6 +422,11 @@ class Outbox:
         the others are still sent, and nothing that was written is sent again)."""
         futures: list[asyncio.Future[RecordMetadata] | BaseException] = []
         for r in records:
+            if r.reply and not await self.reply_routes.routable(
+                producer, r.topic, r.partition or 0
+            ):
+                futures.append(_skipped_future(r))
+                continue
             try:
                 future = await producer.send(
                     r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers

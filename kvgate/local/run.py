@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 from kvgate.admission_service.cli import configure_telemetry
-from kvgate.admission_service.settings import TelemetrySettings
+from kvgate.admission_service.settings import ServiceSettings, TelemetrySettings
+from kvgate.gateway.server import Gateway
+from kvgate.gateway.settings import GatewaySettings, ModelRoute
 from kvgate.local.stack import LocalStack, StackOptions
 from kvgate.protocol import topics
 
@@ -26,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="Kafka port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--num-blocks", type=int, default=256, help="executor KV cache blocks")
     parser.add_argument("--token-topic", action="store_true", help="also stream tokens")
+    parser.add_argument(
+        "--gateway", action="store_true", help="also serve the OpenAI API (no key, loopback)"
+    )
+    parser.add_argument("--gateway-port", type=int, default=8000, help="its port (0: a free one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,9 +80,40 @@ async def _serve(args: argparse.Namespace) -> int:
             f"Ctrl-C to stop.\n",
             flush=True,
         )
-        stopping = asyncio.create_task(stop.wait())
-        failing = asyncio.create_task(service.failed.wait())
-        await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        failing.cancel()
+        gateway = None
+        if args.gateway:
+            gateway = Gateway(_gateway_settings(service.settings, stack.bootstrap, args))
+            await gateway.start()
+            print(
+                f"  OpenAI API        http://127.0.0.1:{gateway.port}/v1 "
+                f"(model {service.settings.telemetry.model_name}, no key)\n",
+                flush=True,
+            )
+        try:
+            stopping = asyncio.create_task(stop.wait())
+            failing = asyncio.create_task(service.failed.wait())
+            await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            failing.cancel()
+        finally:
+            if gateway is not None:
+                await gateway.close()
         return 1 if service.failure is not None else 0
+
+
+def _gateway_settings(
+    service: ServiceSettings, bootstrap: str, args: argparse.Namespace
+) -> GatewaySettings:
+    """A gateway for this stack: loopback only, so no API key is asked for."""
+    kafka = service.kafka
+    route = ModelRoute(
+        name=service.telemetry.model_name,
+        request_topic=kafka.request_topic,
+        result_topic=kafka.result_topic,
+        tokenizer_file=service.limits.tokenizer_file,
+    )
+    return GatewaySettings(
+        bootstrap_servers=bootstrap, host="127.0.0.1", port=args.gateway_port,
+        open_health=True, replica_id="local", abort_topic=kafka.abort_topic, models=[route],
+        allow_anonymous=True,
+    )  # fmt: skip

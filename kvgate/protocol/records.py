@@ -20,6 +20,10 @@ from kvgate.protocol.enums import FinishReason, RestoreMode
 SCHEMA_VERSION: Final = 1
 REQUEST_ID_PATTERN: Final = r"^[A-Za-z0-9._:/@+=-]{1,256}$"
 
+# Reply topics live in their own namespace so that a request cannot make the service write into
+# its own topics (or anyone else's).
+REPLY_TOPIC_PATTERN: Final = r"^kvgate\.replies\.[a-zA-Z0-9._-]{1,200}$"
+
 RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -74,6 +78,21 @@ class ChatMessage(_Message):
     content: str
 
 
+class ReplyTo(_Input):
+    """Where a gateway wants its answers, besides the results topic: a topic of the reply
+    namespace (``kvgate.replies.*``, never a topic of the service) and one of its partitions.
+
+    The result is written to the results topic as always (the source of truth, read by the
+    results scan) and a copy to ``topic``/``partition``; with ``tokens`` every generated token
+    goes there too. A reply address the service cannot find is skipped, never retried: the
+    answer in the results topic stays the one that counts.
+    """
+
+    topic: Annotated[str, Field(max_length=249, pattern=REPLY_TOPIC_PATTERN)]
+    partition: Annotated[int, Field(ge=0, le=99_999)] = 0
+    tokens: bool = False
+
+
 class InferenceRequest(_Input):
     """One generation job: ``prompt`` (token ids, or text when the service has a tokenizer) or
     ``messages`` (a conversation, rendered through the model's chat template); exactly one.
@@ -102,6 +121,7 @@ class InferenceRequest(_Input):
     sampling: RequestSampling = RequestSampling()
     loops: RequestLoops = RequestLoops()
     deadline_unix_s: Annotated[float, Field(gt=0.0)] | None = None
+    reply: ReplyTo | None = None  # a gateway's own reply address (answers are copied there)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> InferenceRequest:
@@ -218,6 +238,9 @@ class TokenChunk(_Message):
 
 
 # -------------------------------------------------------------------------- dead letters
+
+# On records written to a reply topic: which model the value is ("result" or "token").
+REPLY_KIND_HEADER: Final = "kvgate-reply-kind"
 
 DLQ_CODE_HEADER: Final = "kvgate-dlq-code"
 DLQ_REASON_HEADER: Final = "kvgate-dlq-reason"

@@ -6,6 +6,8 @@ kvgate.results        key = request_id   value = InferenceResult    same partiti
 kvgate.tokens         key = request_id   value = TokenChunk         same partition (optional)
 kvgate.aborts         key = request_id   value = AbortRequest
 kvgate.requests.dlq   key = original     value = original bytes     headers += kvgate-dlq-*
+kvgate.replies.<id>   key = request_id   value = InferenceResult or TokenChunk (a gateway's own
+                      reply topic, named in the request; header kvgate-reply-kind)
 ```
 """
 
@@ -16,3 +18,4 @@ RESULTS: Final = "kvgate.results"
 TOKENS: Final = "kvgate.tokens"
 ABORTS: Final = "kvgate.aborts"
 DEAD_LETTER: Final = "kvgate.requests.dlq"
+REPLIES_PREFIX: Final = "kvgate.replies."

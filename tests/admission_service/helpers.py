@@ -28,7 +28,7 @@ from kvgate.admission_service.validation import (
     validate_request,
 )
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState
-from kvgate.protocol.records import InferenceResult, ResultStatus, SourceRef, TokenChunk
+from kvgate.protocol.records import InferenceResult, ReplyTo, ResultStatus, SourceRef, TokenChunk
 from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 
 TOPIC = "kvgate.requests"
@@ -80,7 +80,9 @@ class RecordingSink:
     tokens: list[tuple[SourceRef, TokenChunk]] = field(default_factory=list)
     traceparents: dict[str, str | None] = field(default_factory=dict)
 
-    def answer(self, result: InferenceResult, traceparent: str | None) -> None:
+    def answer(
+        self, result: InferenceResult, traceparent: str | None, reply: ReplyTo | None = None
+    ) -> None:
         self.answers[result.request_id] = result
         self.answer_log.append(result)
         self.traceparents[result.request_id] = traceparent
@@ -93,7 +95,7 @@ class RecordingSink:
             self.answers[result.request_id] = result
             self.answer_log.append(result)
 
-    def token(self, source: SourceRef, chunk: TokenChunk) -> None:
+    def token(self, source: SourceRef, chunk: TokenChunk, reply: ReplyTo | None = None) -> None:
         self.tokens.append((source, chunk))
 
 

@@ -1,0 +1,1 @@
+"""``kvgate gateway``: an OpenAI-compatible HTTP door over Kafka (docs/gateway.md)."""

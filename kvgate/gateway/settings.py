@@ -1,0 +1,127 @@
+"""The gateway's settings and its API keys, parsed at the boundary.
+
+API keys come from a YAML/JSON file (a mounted Secret) and/or ``KVGATE_GATEWAY_API_KEY``::
+
+    keys:
+      - name: team-a          # the label in metrics and logs (never the key itself)
+        key: sk-...           # or key_file: /var/run/secrets/team-a
+        min_priority: 0       # the most important priority this key may ask for (lower = more)
+        default_priority: 10
+        requests_per_s: 20    # token-bucket rate limit; burst = requests_per_s unless set
+        burst: 40
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Final
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvgate.protocol import topics
+
+API_KEY_ENV: Final = "KVGATE_GATEWAY_API_KEY"
+TopicName = Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ApiKey(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+    key: Annotated[str, Field(min_length=16)] | None = None
+    key_file: Path | None = None
+    min_priority: int = 0
+    default_priority: int | None = None  # None: max(0, min_priority)
+    requests_per_s: Annotated[float, Field(gt=0)] | None = None  # None: no limit
+    burst: Annotated[float, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_key(self) -> ApiKey:
+        if (self.key is None) == (self.key_file is None):
+            raise ValueError(f"key {self.name}: give exactly one of key and key_file")
+        if self.default_priority is not None and self.default_priority < self.min_priority:
+            raise ValueError(f"key {self.name}: default_priority is below min_priority")
+        return self
+
+    def secret(self) -> str:
+        if self.key is not None:
+            return self.key
+        assert self.key_file is not None
+        value = self.key_file.read_text().strip()
+        if len(value) < 16:
+            raise ValueError(f"key {self.name}: {self.key_file} holds fewer than 16 characters")
+        return value
+
+    @property
+    def priority(self) -> int:
+        return (
+            self.default_priority
+            if self.default_priority is not None
+            else max(0, self.min_priority)
+        )
+
+
+class KeysFile(_Strict):
+    keys: list[ApiKey]
+
+
+class ModelRoute(_Strict):
+    """One model served: the pool's request and results topics, and its tokenizer (streamed
+    token ids become text here)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    request_topic: TopicName = topics.REQUESTS
+    result_topic: TopicName = topics.RESULTS
+    tokenizer_file: Path | None = None
+
+
+class GatewaySettings(_Strict):
+    bootstrap_servers: Annotated[str, Field(pattern=r"^[^\s,]+(,[^\s,]+)*$")]
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    # /metrics, /healthz, /readyz without a key on this port; on the API port they need a key
+    # unless open_health is set.
+    health_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    open_health: bool = False
+    replica_id: Annotated[str, Field(pattern=r"^[a-zA-Z0-9._-]{1,100}$")] = "gateway-0"
+    abort_topic: TopicName = topics.ABORTS
+    models: Annotated[list[ModelRoute], Field(min_length=1)]
+    keys: list[ApiKey] = Field(default_factory=list)
+    allow_anonymous: bool = False  # no key needed (local use); anonymous gets priority 0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    default_max_tokens: Annotated[int, Field(ge=1)] = 256  # chat, when the body sets none
+    answer_cache_size: Annotated[int, Field(ge=0)] = 10_000
+    reply_retention_ms: Annotated[int, Field(ge=60_000)] = 3_600_000
+
+    @property
+    def reply_topic(self) -> str:
+        return f"{topics.REPLIES_PREFIX}{self.replica_id}"
+
+    @model_validator(mode="after")
+    def _unique(self) -> GatewaySettings:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError("model names must be unique")
+        keys = [k.name for k in self.keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("API key names must be unique")
+        if not self.keys and not self.allow_anonymous:
+            raise ValueError(
+                f"no API keys: give --api-keys-file or ${API_KEY_ENV}, or allow anonymous access"
+            )
+        return self
+
+
+def load_keys(path: Path | None) -> list[ApiKey]:
+    """Keys from ``path`` and from ``KVGATE_GATEWAY_API_KEY`` (named ``env``)."""
+    keys: list[ApiKey] = []
+    if path is not None:
+        keys.extend(KeysFile.model_validate(yaml.safe_load(path.read_text())).keys)
+    from_env = os.environ.get(API_KEY_ENV)
+    if from_env:
+        keys.append(ApiKey(name="env", key=from_env))
+    return keys
