@@ -1,0 +1,130 @@
+"""The gateway as the chart deploys it: a command line the gateway itself accepts, stable
+replica names, probes and policies on the ports it serves, and clear refusals of what it
+cannot serve."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.gateway.cli import add_arguments
+from tests.chart.conftest import rendered_set
+from tests.chart.helm import Helm
+from tests.chart.manifests import CHART, Manifest, Rendered, write_values
+from tests.chart.value_sets import SASL_SSL_KAFKA
+
+
+def _container(rendered: Rendered) -> Manifest:
+    statefulset = rendered.one("StatefulSet", "kvgate-gateway")
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_the_gateway_accepts_its_command_line(rendered_sets: dict[str, Rendered]) -> None:
+    rendered = rendered_set(rendered_sets, "gateway")
+    container = _container(rendered)
+    assert container["command"] == ["kvgate"]
+    assert container["args"][0] == "gateway"
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    args = parser.parse_args(container["args"][1:])
+    assert args.bootstrap == "kafka-0.kafka.data:9092"
+    assert (args.host, args.port, args.health_port) == ("0.0.0.0", 8000, 8001)
+    assert args.replica_id == "$(POD_NAME)"  # the kubelet expands it from the env below
+    [pod_name] = [e for e in container["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert args.model == "smollm2"
+    assert str(args.api_keys_file) == "/etc/kvgate/api-keys/keys.yaml"
+    assert str(args.tokenizer) == "/models/smollm2/tokenizer.json"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts["/etc/kvgate/api-keys"] == "api-keys"
+    assert mounts["/models"] == "tokenizer"
+
+
+def test_replicas_keep_their_names_and_the_autoscaler_owns_the_count(
+    rendered_sets: dict[str, Rendered],
+) -> None:
+    rendered = rendered_set(rendered_sets, "gateway")
+    statefulset = rendered.one("StatefulSet", "kvgate-gateway")
+    assert "replicas" not in statefulset["spec"], "the HPA sets it"
+    hpa = rendered.one("HorizontalPodAutoscaler", "kvgate-gateway")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("StatefulSet", "kvgate-gateway")
+    headless = rendered.one("Service", "kvgate-gateway-pods")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert statefulset["spec"]["serviceName"] == "kvgate-gateway-pods"
+    selector = statefulset["spec"]["selector"]["matchLabels"]
+    for name in ("kvgate-gateway", "kvgate-gateway-pods"):
+        assert rendered.one("Service", name)["spec"]["selector"] == selector
+    budget = rendered.one("PodDisruptionBudget", "kvgate-gateway")
+    assert budget["spec"]["selector"]["matchLabels"] == selector
+
+
+def test_probes_ingress_and_policy_use_the_ports_it_serves(
+    rendered_sets: dict[str, Rendered],
+) -> None:
+    rendered = rendered_set(rendered_sets, "gateway")
+    container = _container(rendered)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 8000, "health": 8001}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    ingress = rendered.one("Ingress", "kvgate-gateway")
+    [rule] = ingress["spec"]["rules"]
+    [path] = rule["http"]["paths"]
+    assert path["backend"]["service"] == {"name": "kvgate-gateway", "port": {"name": "http"}}
+    assert ingress["spec"]["tls"] == [{"hosts": ["llm.example.com"], "secretName": "llm-tls"}]
+    policy = rendered.one("NetworkPolicy", "kvgate-gateway")
+    allowed = [[p["port"] for p in rule["ports"]] for rule in policy["spec"]["ingress"]]
+    assert allowed == [[8000], [8001]]
+
+
+def test_no_gateway_unless_enabled(rendered_sets: dict[str, Rendered]) -> None:
+    rendered = rendered_set(rendered_sets, "everything")
+    assert rendered.of_kind("StatefulSet") == []
+    assert not [s for s in rendered.of_kind("Service") if "gateway" in s["metadata"]["name"]]
+
+
+@pytest.mark.parametrize(
+    ("gateway", "kafka", "message"),
+    [
+        ({"enabled": True}, {}, "gateway.enabled needs kafka.bootstrapServers"),
+        (
+            {"enabled": True, "allowAnonymous": True},
+            SASL_SSL_KAFKA,
+            "the gateway connects to Kafka with PLAINTEXT only",
+        ),
+        ({"enabled": True}, {"bootstrapServers": "k:9092"}, "gateway.apiKeys.secretName"),
+        (
+            {"enabled": True, "allowAnonymous": True, "tokenizer": {"path": "t.json"}},
+            {"bootstrapServers": "k:9092"},
+            "gateway.tokenizer.path needs gateway.tokenizer.volume",
+        ),
+        (
+            {"enabled": True, "allowAnonymous": True, "ingress": {"enabled": True}},
+            {"bootstrapServers": "k:9092"},
+            "gateway.ingress.enabled needs gateway.ingress.host",
+        ),
+        (
+            {
+                "enabled": True,
+                "allowAnonymous": True,
+                "autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2},
+            },
+            {"bootstrapServers": "k:9092"},
+            "gateway.autoscaling.minReplicas exceeds maxReplicas",
+        ),
+    ],
+    ids=["no kafka", "sasl", "no keys", "tokenizer path", "ingress host", "hpa bounds"],
+)
+def test_what_it_cannot_serve_is_refused_with_the_reason(
+    helm: Helm, scratch: Path, gateway: dict[str, Any], kafka: dict[str, Any], message: str
+) -> None:
+    values = {"gateway": gateway, "kafka": kafka}
+    values_file = write_values(scratch, f"gateway-{abs(hash(message))}", values)
+    result = helm.run("template", "kvgate", str(CHART), "--values", str(values_file), check=False)
+    assert result.returncode != 0, "accepted"
+    assert message in result.stderr, result.stderr
