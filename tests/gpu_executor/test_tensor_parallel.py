@@ -81,9 +81,10 @@ def test_rank_dying_mid_step_fails_the_step(tp_dirs: dict[str, Path], tmp_path: 
     codes = _run_ranks("die", out, [tp_dirs["llama"]])
     assert codes == [0, 17]  # rank 0 reported and finished; rank 1 died where it was told to
     errors = json.loads(out.read_text())[tp_dirs["llama"].name]["errors"]
-    assert len(errors) == 2
-    assert all("tensor-parallel executor failed" in e for e in errors)
-    assert errors[0] == errors[1]  # later steps are refused with the same reason
+    failed_step, stopped, next_step = errors
+    assert "tensor-parallel executor failed" in failed_step
+    assert stopped.startswith("driver stopped: step ")  # the failure reached the step's result
+    assert next_step == failed_step  # later steps are refused with the same reason
 
 
 def _config(heads: int, kv_heads: int, inter: int = 64) -> ModelConfig:

@@ -101,8 +101,10 @@ def _run_until_failure(backend: TensorParallelExecutor, executor: Any) -> dict[s
     backend.execute = recording  # type: ignore[method-assign]
     try:
         driver.run()
-    except AssertionError:
-        pass
+    except AssertionError as exc:  # the driver stops at the first rejected step
+        errors.append(f"driver stopped: {exc}")
+    else:
+        errors.append("driver finished: no step failed")
     # The step after the failure is refused at once, without touching a collective.
     errors.append(original(driver._plan()).error.message)  # type: ignore[union-attr]
     return {"errors": errors}

@@ -35,7 +35,9 @@ class ControlChannel:
     @classmethod
     def create(cls) -> ControlChannel:
         """Collective: every rank of the default group calls it once, in the same order."""
-        return cls(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+        group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+        return cls(group)
 
     def send(self, command: Command, payload: bytes = b"") -> None:
         """On rank 0."""
