@@ -5,8 +5,10 @@ heads do not divide is refused in one line; a rank dying mid-step fails the step
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from kvgate.gpu_executor.tensor_parallel.shards import ShardError, ShardPlan
 from kvgate.gpu_executor.tiny_model import make_tiny_model
 from kvgate.protocol.enums import ModelFamily
 from tests.gpu_executor.driver import Driver
+from tests.gpu_executor.test_executor_cli import _command, _env, _serve_one_plan
 from tests.gpu_executor.tp_scenarios import SCENARIOS, TP_SPECS, tp_requests
 
 RANK_DEADLINE_S = 240.0
@@ -140,3 +143,56 @@ def test_kv_heads_split_or_replicate(
         # Every query head of this rank reads one of the KV heads this rank holds.
         kv_held = range(k.start // 8, k.stop // 8)
         assert all(h // group in kv_held for h in range(q.start // 8, q.stop // 8))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize(
+    "stop", [pytest.param("sigterm", marks=pytest.mark.slow), "follower-killed"]
+)
+def test_cli_serves_over_two_ranks(tp_dirs: dict[str, Path], tmp_path: Path, stop: str) -> None:
+    """``kvgate executor --tensor-parallel-size 2`` serves a plan; SIGTERM releases the follower
+    and exits 0; a follower killed makes the executor exit 1 (its pod restarts)."""
+    token_file = tmp_path / "token"
+    token_file.write_text("tp-token\n")
+    port = _free_port()
+    extra = ("--num-blocks", "32", "--token-file", str(token_file), "--tensor-parallel-size", "2")
+    process = subprocess.Popen(
+        _command(tp_dirs["llama"], port, *extra),
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        result = asyncio.run(_serve_one_plan(port, "tp-token"))
+        assert result.error is None and [t.position for t in result.tokens] == [3]
+        (follower,) = _children(process.pid)
+        if stop == "sigterm":
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0
+        else:
+            os.kill(follower, signal.SIGKILL)
+            assert process.wait(timeout=60) == 1
+        assert not Path(f"/proc/{follower}").exists() or _zombie(follower)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        output = process.communicate(timeout=30)[0]
+    if stop == "follower-killed":
+        assert "exited with -9; stopping" in output
+
+
+def _zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_cli_refuses_heads_that_do_not_split(tp_dirs: dict[str, Path]) -> None:
+    done = subprocess.run(
+        _command(
+            tp_dirs["llama"], _free_port(), "--num-blocks", "8", "--tensor-parallel-size", "3"
+        ),
+        env=_env(KVGATE_EXECUTOR_TOKEN="t"), capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "num_attention_heads 4 is not divisible by --tensor-parallel-size 3" in done.stderr
