@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=ExitPolicy.GATE.value,
         help="exit rule of looped models (requests with an exit_trace replay it)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks (GPUs) one executor spans: heads, MLP and vocabulary split over them "
+        "(ranks are local processes meeting on 127.0.0.1; default 1)",
+    )
     parser.add_argument("--executor-id", default=os.environ.get("HOSTNAME", "executor-0"))
     parser.add_argument("--token-file", type=Path, help=f"bearer token file (else ${TOKEN_ENV})")
     parser.add_argument(
@@ -83,7 +90,20 @@ def run(args: argparse.Namespace) -> int:
             log.error("--num-blocks is required on CPU")
             return 2
         memory_fraction = 0.9
+    if args.tensor_parallel_size < 1:
+        log.error("--tensor-parallel-size must be >= 1")
+        return 2
     provider = configure_tracing("kvgate-executor")
+    if args.tensor_parallel_size > 1:
+        from kvgate.gpu_executor.tensor_parallel.launch import (  # noqa: PLC0415
+            run_tensor_parallel,
+        )
+
+        try:
+            return run_tensor_parallel(args, token, device, memory_fraction)
+        finally:
+            if provider is not None:
+                provider.shutdown()
 
     def load() -> Executor:
         executor = Executor(

@@ -21,13 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from kvgate.gpu_executor.config import CheckpointError, ModelConfig, parse_config
 from kvgate.gpu_executor.gguf_file import GgufFile
 from kvgate.gpu_executor.gguf_tokenizer import SpecialTokens, build_tokenizer
-from kvgate.gpu_executor.weights import expected_shapes
+from kvgate.gpu_executor.tensor_parallel.shards import RowRange, ShardPlan
+from kvgate.gpu_executor.weights import expected_shapes, pad_vocab_shards
 
 GGUF_SUFFIX = ".gguf"
 CACHE_ENV = "KVGATE_CACHE"
@@ -50,12 +52,22 @@ class GgufCheckpoint:
 
 
 def read_gguf_checkpoint(
-    path: Path, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    shard: ShardPlan | None = None,
 ) -> GgufCheckpoint:
-    """Every tensor dequantized to ``dtype`` and checked against the configuration."""
+    """Every tensor dequantized to ``dtype`` and checked against the configuration.
+
+    With ``shard``, only this rank's slice of each tensor is kept: tensors are dequantized one at
+    a time from the memory-mapped file (a quantized row is stored as whole blocks, so a tensor is
+    dequantized whole before it is cut), and never the whole model at once.
+    """
     gguf_file = GgufFile(path)
     raw = gguf_file.hf_config()
     config = parse_config(raw)
+    if shard is not None:
+        shard.check(config)  # before any tensor is dequantized
     tokenizer, specials = build_tokenizer(gguf_file.metadata)
     if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
         raise CheckpointError(f"{path.name}: the tokenizer has more tokens than the model")
@@ -69,11 +81,22 @@ def read_gguf_checkpoint(
                 f"{path.name}: tensor {name} has shape {tuple(values.shape)}, the metadata "
                 f"implies {shapes[name]}"
             )
-        tensors[name] = torch.from_numpy(values).to(device=device, dtype=dtype)
+        part = None if shard is None else shard.slice_of(name, config)
+        kept = values if part is None else _cut(values, part)
+        tensors[name] = torch.from_numpy(kept).to(device=device, dtype=dtype)
+    if shard is not None:
+        tensors = pad_vocab_shards(tensors, shard, config)
     missing = sorted(set(shapes) - set(tensors))
     if missing:
         raise CheckpointError(f"{path.name}: missing tensors {', '.join(missing[:8])}")
     return GgufCheckpoint(raw, config, tensors, tokenizer, specials)
+
+
+def _cut(values: np.ndarray, part: RowRange) -> np.ndarray:
+    """A rank's rows or columns of a dequantized tensor, as its own (small) array."""
+    if part.dim == 0:
+        return np.ascontiguousarray(values[part.start : part.stop])
+    return np.ascontiguousarray(values[:, part.start : part.stop])
 
 
 def convert(path: Path, out_dir: Path, dtype: str = "float32") -> Path:

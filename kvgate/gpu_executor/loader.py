@@ -11,6 +11,7 @@ import torch
 from kvgate.gpu_executor.config import CheckpointError, load_config
 from kvgate.gpu_executor.gguf_checkpoint import is_gguf, read_gguf_checkpoint
 from kvgate.gpu_executor.model import Model, assemble_weights
+from kvgate.gpu_executor.tensor_parallel.layers import TensorParallel
 from kvgate.gpu_executor.tokenizer import TextTokenizer, load_tokenizer
 from kvgate.gpu_executor.weights import read_checkpoint
 from kvgate.protocol.enums import AUTO_DTYPE, DType
@@ -50,28 +51,39 @@ def load_model(
     *,
     device: torch.device | str = "cpu",
     dtype: DTypeChoice = AUTO_DTYPE,
+    parallel: TensorParallel | None = None,
 ) -> LoadedModel:
-    """Read and check a model directory or GGUF file; raises CheckpointError with the reason."""
+    """Read and check a model directory or GGUF file; raises CheckpointError with the reason.
+
+    With ``parallel``, only this rank's shard is read (a ShardError, one line, when the model
+    does not split over the group).
+    """
     path = Path(model_dir)
     if is_gguf(path):
-        return _load_gguf(path, torch.device(device), dtype)
+        return _load_gguf(path, torch.device(device), dtype, parallel)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     config = load_config(path)
+    shard = None if parallel is None else parallel.plan
+    local_config = config if shard is None else shard.local_config(config)
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, config.torch_dtype)
-    tensors = read_checkpoint(path, config, torch_dtype, torch_device)
+    tensors = read_checkpoint(path, config, torch_dtype, torch_device, shard)
     tokenizer = load_tokenizer(path)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(
             f"tokenizer.json has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
         )
-    return LoadedModel(Model(config, assemble_weights(config, tensors)), tokenizer, path)
+    weights = assemble_weights(local_config, tensors)
+    return LoadedModel(Model(local_config, weights, parallel=parallel), tokenizer, path)
 
 
-def _load_gguf(path: Path, device: torch.device, dtype: DTypeChoice) -> LoadedModel:
+def _load_gguf(
+    path: Path, device: torch.device, dtype: DTypeChoice, parallel: TensorParallel | None
+) -> LoadedModel:
     torch_dtype = resolve_dtype(dtype, device, None)
-    checkpoint = read_gguf_checkpoint(path, torch_dtype, device)
-    config = checkpoint.config
-    model = Model(config, assemble_weights(config, checkpoint.tensors))
+    shard = None if parallel is None else parallel.plan
+    checkpoint = read_gguf_checkpoint(path, torch_dtype, device, shard)
+    config = checkpoint.config if shard is None else shard.local_config(checkpoint.config)
+    model = Model(config, assemble_weights(config, checkpoint.tensors), parallel=parallel)
     return LoadedModel(model, TextTokenizer(checkpoint.tokenizer), path)

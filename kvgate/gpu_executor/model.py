@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +18,20 @@ import torch.nn.functional as F
 from kvgate.gpu_executor.config import ModelConfig
 from kvgate.gpu_executor.linear import Linear, LinearBackend, select_linear_backend
 from kvgate.gpu_executor.rope import RotaryTable, Rotation
+from kvgate.gpu_executor.tensor_parallel.layers import (
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 from kvgate.gpu_executor.weights import layer_prefix
 from kvgate.protocol.enums import ModelFamily
 
 # (layer, query [n, Hq, D], key [n, Hkv, D], value [n, Hkv, D]) -> attention output [n, Hq, D];
 # q, k and v are views of one fused projection (strided in dim 0, head vectors contiguous).
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# [n, in] -> [n, out]: a Linear, or a row-parallel one that sums over ranks.
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -93,12 +102,16 @@ def assemble_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> M
 
 @dataclass(frozen=True)
 class _LayerLinears:
-    """One layer's four matmuls, built from its ``LayerWeights`` for the chosen backend."""
+    """One layer's four matmuls, built from its ``LayerWeights`` for the chosen backend.
 
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
+    Tensor-parallel: ``qkv`` and ``gate_up`` are this rank's column shards (plain linears), ``o``
+    and ``down`` its row shards, whose partial sums are all-reduced.
+    """
+
+    qkv: LinearFn
+    o: LinearFn
+    gate_up: LinearFn
+    down: LinearFn
 
     @classmethod
     def build(cls, layer: LayerWeights, backend: LinearBackend) -> _LayerLinears:
@@ -107,6 +120,17 @@ class _LayerLinears:
             o=Linear.build(layer.o_proj, layer.o_bias, backend),
             gate_up=Linear.build(layer.gate_up_proj, None, backend),
             down=Linear.build(layer.down_proj, None, backend),
+        )
+
+    @classmethod
+    def build_sharded(
+        cls, layer: LayerWeights, backend: LinearBackend, parallel: TensorParallel
+    ) -> _LayerLinears:
+        return cls(
+            qkv=Linear.build(layer.qkv_proj, layer.qkv_bias, backend),
+            o=RowParallelLinear(Linear.build(layer.o_proj, None, backend), layer.o_bias, parallel),
+            gate_up=Linear.build(layer.gate_up_proj, None, backend),
+            down=RowParallelLinear(Linear.build(layer.down_proj, None, backend), None, parallel),
         )
 
 
@@ -118,23 +142,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Model:
-    """A loaded model on one device: prelude, core pass, exit gate and coda."""
+    """A loaded model on one device: prelude, core pass, exit gate and coda.
+
+    With ``parallel``, ``config`` and ``weights`` are this rank's shard (its heads and MLP
+    columns, its vocabulary rows; ``config.vocab_size`` stays the whole vocabulary), and the
+    row-parallel layers, the embedding and the LM head combine the ranks' parts. Without it no
+    layer knows ranks exist: the single-device path runs exactly the same calls as before.
+    """
 
     def __init__(
         self,
         config: ModelConfig,
         weights: ModelWeights,
         linear_backend: LinearBackend | None = None,
+        parallel: TensorParallel | None = None,
     ):
         self.config = config
         self.weights = weights
+        self.parallel = parallel
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
-        self.linear_backend = linear_backend or select_linear_backend(self.device, self.dtype)
-        self._linears = tuple(
-            _LayerLinears.build(layer, self.linear_backend) for layer in weights.layers
+        backend = self.linear_backend = linear_backend or select_linear_backend(
+            self.device, self.dtype
         )
-        self._lm_head = Linear.build(weights.lm_head, None, self.linear_backend)
+        self._linears: tuple[_LayerLinears, ...]
+        self._embed: LinearFn
+        self._lm_head: LinearFn
+        if parallel is None:
+            self._linears = tuple(_LayerLinears.build(layer, backend) for layer in weights.layers)
+            self._embed = partial(F.embedding, weight=weights.embed)
+            self._lm_head = Linear.build(weights.lm_head, None, backend)
+        else:
+            self._linears = tuple(
+                _LayerLinears.build_sharded(layer, backend, parallel) for layer in weights.layers
+            )
+            start = parallel.plan.vocab_start(config.vocab_size)
+            self._embed = VocabParallelEmbedding(weights.embed, start, parallel)
+            self._lm_head = VocabParallelHead(
+                Linear.build(weights.lm_head, None, backend), config.vocab_size, parallel
+            )
         self.rotary = RotaryTable(
             config.head_dim, config.rope_theta, config.rope_scaling, self.device
         )
@@ -147,7 +193,7 @@ class Model:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """int64 ``[n]`` -> hidden ``[n, H]``."""
-        return F.embedding(token_ids, self.weights.embed)
+        return self._embed(token_ids)
 
     def core_pass(
         self,

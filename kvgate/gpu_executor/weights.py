@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kvgate.gpu_executor.config import CheckpointError, ModelConfig
+from kvgate.gpu_executor.tensor_parallel.shards import ShardPlan
 from kvgate.protocol.enums import ModelFamily
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -103,9 +104,17 @@ def _names(names: list[str]) -> str:
 
 
 def read_checkpoint(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor, checked against ``config``, as ``dtype`` on ``device``."""
+    """Every checkpoint tensor, checked against ``config``, as ``dtype`` on ``device``.
+
+    With ``shard``, only this rank's slice of each tensor is read from the file (safetensors
+    reads slices without loading the rest), under the tensor's own name.
+    """
     shapes = expected_shapes(config)
     shards = {n: f for n, f in _shard_map(model_dir).items() if not n.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
@@ -129,13 +138,32 @@ def read_checkpoint(
             for name in sorted(names):
                 if name not in available:
                     raise CheckpointError(f"index maps {name} to {file.name}, which lacks it")
-                tensor = handle.get_tensor(name)
-                if tuple(tensor.shape) != shapes[name]:
+                view = handle.get_slice(name)
+                shape = tuple(view.get_shape())
+                if shape != shapes[name]:
                     raise CheckpointError(
-                        f"tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
-                        f"{shapes[name]}"
+                        f"tensor {name} has shape {shape}, config.json implies {shapes[name]}"
                     )
+                part = None if shard is None else shard.slice_of(name, config)
+                if part is None:
+                    tensor = view[:]
+                elif part.dim == 0:
+                    tensor = view[part.start : part.stop]
+                else:
+                    tensor = view[:, part.start : part.stop]
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"tensor {name} has non-float dtype {tensor.dtype}")
                 tensors[name] = tensor.to(device=device, dtype=dtype)
+    return tensors if shard is None else pad_vocab_shards(tensors, shard, config)
+
+
+def pad_vocab_shards(
+    tensors: dict[str, torch.Tensor], shard: ShardPlan, config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Vocabulary shards with zero rows appended, so every rank's shard has the same rows."""
+    for name, tensor in tensors.items():
+        rows = shard.padded_rows(name, config)
+        if rows is not None and tensor.shape[0] < rows:
+            padding = tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])
+            tensors[name] = torch.cat([tensor, padding])
     return tensors

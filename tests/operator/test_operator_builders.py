@@ -104,6 +104,19 @@ def test_executor_pod_requests_and_limits_gpus() -> None:
     assert resources["limits"] == {"nvidia.com/gpu": "4"}
 
 
+def test_multi_gpu_executor_runs_its_ranks_in_one_pod() -> None:
+    pod = build_executor_pod(POOL, spec(gpusPerExecutor=4), 0)
+    c = container(pod)
+    assert arg(c["args"], "--tensor-parallel-size") == "4"
+    assert {"name": "NCCL_SOCKET_IFNAME", "value": "lo"} in c["env"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert kubernetes_validate.validate(pod, "1.31", strict=True)
+    single = container(build_executor_pod(POOL, spec(), 0))
+    assert "--tensor-parallel-size" not in single["args"]
+    assert not any(e["name"].startswith(("NCCL_", "TORCH_NCCL_")) for e in single["env"])
+
+
 def test_executor_pod_security() -> None:
     pod = build_executor_pod(POOL, spec(), 0)
     pod_security = pod["spec"]["securityContext"]

@@ -65,7 +65,32 @@ def executor_args(spec: ExecutorPoolSpec) -> list[str]:
     args += ["--host", "0.0.0.0"]
     if spec.model.exit_policy is not None:
         args += ["--exit-policy", spec.model.exit_policy.value]
+    if spec.gpus_per_executor > 1:
+        # One rank per GPU of the pod, all in this container (rank 0 serves the step protocol).
+        args += ["--tensor-parallel-size", str(spec.gpus_per_executor)]
     return args
+
+
+# Per rank of a tensor-parallel pod: NCCL's shared-memory transport and torch's host buffers
+# live in /dev/shm (a memory-backed emptyDir, counted against the container's memory).
+SHM_PER_RANK_GIB = 2
+
+
+def _shm_volume(spec: ExecutorPoolSpec) -> Manifest:
+    volume: Manifest = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    if spec.gpus_per_executor > 1:
+        volume["emptyDir"]["sizeLimit"] = f"{SHM_PER_RANK_GIB * spec.gpus_per_executor}Gi"
+    return volume
+
+
+def _nccl_env(spec: ExecutorPoolSpec) -> list[Manifest]:
+    """The ranks of one pod meet on loopback; a hung collective aborts instead of blocking."""
+    if spec.gpus_per_executor == 1:
+        return []
+    return [
+        {"name": "NCCL_SOCKET_IFNAME", "value": "lo"},
+        {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
+    ]
 
 
 def _model_volume(model: ModelSpec) -> tuple[list[Manifest], list[Manifest]]:
@@ -100,7 +125,7 @@ def _env(pool: PoolRef, spec: ExecutorPoolSpec) -> list[Manifest]:
     ]
     if spec.telemetry.otlp_endpoint is not None:
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.telemetry.otlp_endpoint})
-    return env
+    return env + _nccl_env(spec)
 
 
 def _pod_template(pool: PoolRef, spec: ExecutorPoolSpec) -> Manifest:
@@ -142,7 +167,7 @@ def _pod_template(pool: PoolRef, spec: ExecutorPoolSpec) -> Manifest:
                 "executor-token", spec.token_secret.name, {spec.token_secret.key: "token"}
             ),
             tmp_volume(),
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            _shm_volume(spec),
             *model_volumes,
         ],
     }

@@ -1,0 +1,43 @@
+"""The plans the tensor-parallel tests drive, shared by the test and its rank processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvgate.gpu_executor.loader import LoadedModel
+from kvgate.gpu_executor.model import Model
+from kvgate.gpu_executor.tiny_model import TinyModelSpec
+from kvgate.protocol import step as wire
+from kvgate.protocol.enums import ModelFamily
+from tests.gpu_executor.driver import DriverConfig
+from tests.gpu_executor.workloads import mixed_requests
+
+# Heads that divide by two; the llama one has a single KV head (replicated on both ranks), a
+# tied LM head and a vocabulary of 127 (the second shard padded by a row).
+TP_SPECS = {
+    "llama": TinyModelSpec(
+        family=ModelFamily.LLAMA, vocab_size=127, num_kv_heads=1, tie_word_embeddings=True, seed=5
+    ),
+    "looped": TinyModelSpec(
+        family=ModelFamily.LOOPED, num_loops=3, vocab_size=128, exit_gate_bias=-0.3, seed=2
+    ),
+}
+
+SCENARIOS = {
+    "chunked": DriverConfig(chunk_size=5),
+    "async": DriverConfig(chunk_size=6, async_plans=True),
+    "swap": DriverConfig(chunk_size=5, swap_after={"req-0-0": 2, "req-0-2": 4}),
+    "recompute": DriverConfig(chunk_size=5, recompute_after={"req-0-1": 3, "req-0-3": 2}),
+    "async-wavefront-swap-recompute": DriverConfig(
+        chunk_size=4,
+        wavefront=True,
+        async_plans=True,
+        swap_after={"req-0-0": 3, "req-0-5": 2},
+        recompute_after={"req-0-1": 2, "req-0-4": 4},
+    ),
+}
+
+
+def tp_requests(model: Model) -> list[tuple[wire.NewRequest, int]]:
+    """The same six requests for the one-process and the two-rank run of a model."""
+    return mixed_requests(LoadedModel(model, None, Path()), count=6, seed=0)
