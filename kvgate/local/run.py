@@ -17,13 +17,20 @@ from kvgate.admission_service.cli import configure_telemetry
 from kvgate.admission_service.settings import ServiceSettings, TelemetrySettings
 from kvgate.gateway.server import Gateway
 from kvgate.gateway.settings import GatewaySettings, ModelRoute
+from kvgate.gpu_executor.packaged import require_packaged_gguf
 from kvgate.local.stack import LocalStack, StackOptions
 from kvgate.protocol import topics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("kvgate-demo-out"))
-    parser.add_argument("--model-dir", type=Path, help="an existing model (default: a tiny one)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model-dir", type=Path, help="an existing model (default: a tiny one)")
+    model.add_argument("--model", type=Path, help="a llama GGUF file (converted once, cached)")
+    model.add_argument(
+        "--smollm2", action="store_true", help="the packaged SmolLM2-135M-Instruct (real text)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="executor torch threads")
     parser.add_argument("--family", choices=["llama", "looped"], default="llama")
     parser.add_argument("--port", type=int, help="Kafka port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--num-blocks", type=int, default=256, help="executor KV cache blocks")
@@ -42,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         return asyncio.run(_serve(args))
-    except RuntimeError as exc:
+    except (RuntimeError, FileNotFoundError) as exc:
         print(f"kvgate run: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -51,15 +58,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    gguf = require_packaged_gguf() if args.smollm2 else args.model
     options = StackOptions(
         out_dir=args.out_dir,
         model_dir=args.model_dir,
+        model_gguf=gguf,
+        executor_threads=args.threads,
         family=args.family,
         num_blocks=args.num_blocks,
         broker_port=args.port,
         max_num_seqs=32,
     )
-    overrides = {"kafka": {"token_topic": topics.TOKENS}} if args.token_topic else {}
+    overrides: dict[str, dict[str, object]] = {"telemetry": {"model_name": _model_name(args)}}
+    if args.token_topic:
+        overrides["kafka"] = {"token_topic": topics.TOKENS}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,3 +129,14 @@ def _gateway_settings(
         open_health=True, replica_id="local", abort_topic=kafka.abort_topic, models=[route],
         allow_anonymous=True,
     )  # fmt: skip
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """What clients call the model (the gateway's ``model``, the spans' gen_ai.request.model)."""
+    if args.smollm2:
+        return "SmolLM2-135M-Instruct"
+    if args.model is not None:
+        return Path(args.model).stem
+    if args.model_dir is not None:
+        return Path(args.model_dir).name
+    return "kvgate"  # the tiny random model
