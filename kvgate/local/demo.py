@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -35,6 +37,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from kvgate.admission_service.settings import ServiceSettings
+from kvgate.gateway.server import Gateway
 from kvgate.gpu_executor.packaged import require_packaged_gguf
 from kvgate.local.demo_report import (
     DemoRequest,
@@ -44,13 +48,14 @@ from kvgate.local.demo_report import (
     summarize,
     summary_rows,
 )
-from kvgate.local.stack import LocalStack, StackOptions
+from kvgate.local.stack import LocalStack, StackOptions, local_gateway_settings
 from kvgate.protocol import topics
 from kvgate.protocol.records import TRACEPARENT_HEADER, InferenceResult
 from kvgate.telemetry.context import traceparent_of
 from kvgate.telemetry.spans_file import JsonLinesSpanExporter
 
 DEFAULT_OUT = Path("kvgate-demo-out")
+GATEWAY_CHAT = "In one sentence, what does a queue do?"
 log = logging.getLogger("kvgate.demo")
 
 
@@ -148,7 +153,12 @@ async def _demo(
     started = time.monotonic()
     try:
         with console.status("starting the broker, the executor and the admission service"):
-            stack = await LocalStack(options, executors={"reconnect_max_s": 0.5}).__aenter__()
+            named = {"model_name": "SmolLM2-135M-Instruct" if gguf is not None else "kvgate"}
+            if gguf is not None and args.model is not None:
+                named = {"model_name": Path(args.model).stem}
+            stack = await LocalStack(
+                options, executors={"reconnect_max_s": 0.5}, telemetry=named
+            ).__aenter__()
     except Exception as exc:  # the stack's error names the log to read
         console.print(f"[red]could not start the stack:[/red] {exc}")
         return 2
@@ -159,6 +169,12 @@ async def _demo(
         results, wall_s = await _run_workload(stack.bootstrap, workload, args.timeout_s, console)
         service = stack.service
         assert service is not None and service.engine is not None
+        http: GatewayAnswer | str
+        try:
+            with console.status("one more request, through the OpenAI API"):
+                http = await _through_the_gateway(service.settings, stack.bootstrap, args.tiny)
+        except (OSError, RuntimeError, aiohttp.ClientError, ValueError) as exc:
+            http = f"{type(exc).__name__}: {exc}"
         samples = list(service.engine.timeline)
         kv_total = sum(g.kv_blocks_total for g in service.engine.executor_gauges())
     finally:
@@ -172,6 +188,14 @@ async def _demo(
     completions = _completions_table(workload, results)
     if completions is not None:
         console.print(completions)
+    if isinstance(http, str):
+        console.print(f"[red]the request through the OpenAI API failed:[/red] {http}")
+    else:
+        console.print(
+            f"through the OpenAI API at {http.url} (streamed): {http.prompt!r} -> ",
+            Text(repr(http.text.strip())), f" first token after {http.ttft_s * 1000:.0f} ms",
+            sep="",
+        )  # fmt: skip
     plot_path = args.out_dir / "timeline.png"
     if samples:
         plot_timeline(samples, kv_total, plot_path)
@@ -179,7 +203,56 @@ async def _demo(
     if summary.lost:
         console.print(f"[red]{len(summary.lost)} requests were lost:[/red] {summary.lost}")
         return 1
-    return 0
+    return 1 if isinstance(http, str) else 0
+
+
+@dataclass(frozen=True)
+class GatewayAnswer:
+    url: str
+    prompt: str
+    text: str
+    ttft_s: float
+
+
+async def _through_the_gateway(
+    service: ServiceSettings, bootstrap: str, tiny: bool
+) -> GatewayAnswer:
+    """The stack's OpenAI door (``kvgate run --gateway``): one streamed, greedy request — a
+    chat message on the real model, token ids on the tiny one (no chat template there)."""
+    gateway = Gateway(local_gateway_settings(service, bootstrap, 0))
+    await gateway.start()
+    url = f"http://127.0.0.1:{gateway.port}/v1"
+    model = service.telemetry.model_name
+    if tiny:
+        prompt, route = "[1, 2, 3, 4]", "/completions"
+        body: dict[str, object] = {"prompt": [1, 2, 3, 4], "max_tokens": 8}
+    else:
+        prompt, route = GATEWAY_CHAT, "/chat/completions"
+        body = {"messages": [{"role": "user", "content": GATEWAY_CHAT}], "max_tokens": 40}
+    body |= {"model": model, "temperature": 0, "stream": True}
+    began = time.monotonic()
+    first: float | None = None
+    pieces: list[str] = []
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url + route, json=body) as response,
+        ):
+            if response.status != 200:
+                answer = await response.text()
+                raise RuntimeError(f"the gateway answered {response.status}: {answer}")
+            async for line in response.content:
+                data = line.decode().strip().removeprefix("data: ")
+                if not data or data == "[DONE]" or not data.startswith("{"):
+                    continue
+                for choice in json.loads(data).get("choices", []):
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    if piece and first is None:
+                        first = time.monotonic() - began
+                    pieces.append(piece)
+    finally:
+        await gateway.close()
+    return GatewayAnswer(url, prompt, "".join(pieces), first if first is not None else 0.0)
 
 
 def _completions_table(

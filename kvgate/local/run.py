@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 from kvgate.admission_service.cli import configure_telemetry
-from kvgate.admission_service.settings import ServiceSettings, TelemetrySettings
+from kvgate.admission_service.settings import TelemetrySettings
 from kvgate.gateway.server import Gateway
-from kvgate.gateway.settings import GatewaySettings, ModelRoute
 from kvgate.gpu_executor.packaged import require_packaged_gguf
-from kvgate.local.stack import LocalStack, StackOptions
+from kvgate.local.stack import LocalStack, StackOptions, local_gateway_settings
 from kvgate.protocol import topics
 
 
@@ -94,7 +93,8 @@ async def _serve(args: argparse.Namespace) -> int:
         )
         gateway = None
         if args.gateway:
-            gateway = Gateway(_gateway_settings(service.settings, stack.bootstrap, args))
+            settings = local_gateway_settings(service.settings, stack.bootstrap, args.gateway_port)
+            gateway = Gateway(settings)
             await gateway.start()
             print(
                 f"  OpenAI API        http://127.0.0.1:{gateway.port}/v1 "
@@ -111,24 +111,6 @@ async def _serve(args: argparse.Namespace) -> int:
             if gateway is not None:
                 await gateway.close()
         return 1 if service.failure is not None else 0
-
-
-def _gateway_settings(
-    service: ServiceSettings, bootstrap: str, args: argparse.Namespace
-) -> GatewaySettings:
-    """A gateway for this stack: loopback only, so no API key is asked for."""
-    kafka = service.kafka
-    route = ModelRoute(
-        name=service.telemetry.model_name,
-        request_topic=kafka.request_topic,
-        result_topic=kafka.result_topic,
-        tokenizer_file=service.limits.tokenizer_file,
-    )
-    return GatewaySettings(
-        bootstrap_servers=bootstrap, host="127.0.0.1", port=args.gateway_port,
-        open_health=True, replica_id="local", abort_topic=kafka.abort_topic, models=[route],
-        allow_anonymous=True,
-    )  # fmt: skip
 
 
 def _model_name(args: argparse.Namespace) -> str:

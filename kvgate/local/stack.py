@@ -33,6 +33,7 @@ import aiohttp
 
 from kvgate.admission_service.service import AdmissionService, tune_garbage_collector
 from kvgate.admission_service.settings import ServiceSettings, load_settings
+from kvgate.gateway.settings import GatewaySettings, ModelRoute
 from kvgate.local.embedded_broker import EmbeddedBroker, EmbeddedBrokerSettings
 
 log = logging.getLogger(__name__)
@@ -266,3 +267,18 @@ class LocalStack:
             await asyncio.to_thread(self.executor.stop)
             self.executor = None
         self.broker.stop()
+
+
+def local_gateway_settings(service: ServiceSettings, bootstrap: str, port: int) -> GatewaySettings:
+    """A gateway for this stack: loopback only, so no API key is asked for."""
+    kafka = service.kafka
+    route = ModelRoute(
+        name=service.telemetry.model_name,
+        request_topic=kafka.request_topic,
+        result_topic=kafka.result_topic,
+        tokenizer_file=service.limits.tokenizer_file,
+    )
+    return GatewaySettings(
+        bootstrap_servers=bootstrap, host="127.0.0.1", port=port, open_health=True,
+        replica_id="local", abort_topic=kafka.abort_topic, models=[route], allow_anonymous=True,
+    )  # fmt: skip

@@ -45,10 +45,14 @@ def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) ->
     spans = [json.loads(line) for line in (tmp_path / "spans.jsonl").read_text().splitlines()]
     requests = [s for s in spans if s["name"] == "text_completion kvgate"]
     producers = {s["span_id"]: s for s in spans if s["kind"] == "PRODUCER"}
-    assert len(requests) == 14
+    # The 14 records produced to Kafka, and one streamed request through the OpenAI gateway.
+    assert len(requests) == 15
+    assert re.search(r"through the OpenAI API at http://127\.0\.0\.1:\d+/v1 \(streamed\)", output)
     completed = [s for s in requests if s["attributes"]["kvgate.request.status"] == "completed"]
-    assert len(completed) == 12
-    for span in completed:
+    assert len(completed) == 13
+    from_kafka = [s for s in completed if s["parent_span_id"] in producers]
+    assert len(from_kafka) == 12
+    for span in from_kafka:
         # Each request span continues its producer's trace (traceparent in the Kafka headers).
         assert span["parent_span_id"] in producers
         assert producers[span["parent_span_id"]]["trace_id"] == span["trace_id"]
@@ -71,6 +75,8 @@ def test_the_default_demo_serves_smollm2_text_and_chat(tmp_path: Path) -> None:
     # demo-000 is "The capital of France is" (greedy), demo-001 the chat about the same.
     assert re.search(r"demo-000 .*The capital of France is .*Paris", output), output
     assert re.search(r"demo-001 .*\(chat\) What is the capital of .*Paris", output), output
+    # And one chat through the gateway, streamed, greedy.
+    assert re.search(r"what does a queue do\?' -> 'A queue is a data structure", output), output
 
 
 def test_the_text_workload_mixes_chat_and_plain_prompts_of_three_priorities() -> None:
