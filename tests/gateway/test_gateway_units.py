@@ -200,3 +200,31 @@ def test_keys_from_a_file_and_the_environment(
         keys_file.write_text(bad)
         with pytest.raises(ValidationError):
             load_keys(keys_file)
+
+
+def test_incremental_text_equals_the_whole_decode_with_a_real_bpe_tokenizer() -> None:
+    """A byte-level BPE tokenizer trained here (merges, spaces as Ġ, multi-byte characters
+    split across tokens): the streamed deltas concatenate to the whole decode, the service's
+    text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from kvgate.admission_service.tokenizer import FileTokenizer
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "naïve café — 東京 😀 ok"] * 20
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    codec = FileTokenizer(bpe)
+    for text in ("the lazy café 東京 fox", "😀😀 naïve — the dog", " over  the\nquick"):
+        ids = codec.encode(text)
+        stream = StreamText(codec, [])
+        sent = ""
+        for token in ids:
+            sent += stream.add(token)
+            assert text.startswith(sent)
+        assert sent == text  # all of it streamed: no stop strings, nothing cut at the end
+        assert stream.finish(codec.decode(ids)) == ""
