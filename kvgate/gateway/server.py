@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from aiokafka.errors import KafkaError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
@@ -210,7 +211,13 @@ class Gateway:
                 waiter.resolve(known)
             elif new:
                 look_up = route.result_topic if chosen is not None else None
-                await self.bridge.send(route.request_topic, mapped.request, look_up_in=look_up)
+                try:
+                    await self.bridge.send(route.request_topic, mapped.request, look_up_in=look_up)
+                except KafkaError as exc:
+                    raise ApiError(
+                        503, f"the request could not be written to Kafka ({exc!r})",
+                        type_="server_error",
+                    ) from None  # fmt: skip
             if mapped.stream:
                 return await self._stream(request, route, mapped, waiter, new, received, labels)
             result = await self._wait(waiter, request_id, new)
