@@ -6,7 +6,7 @@ Kafka directly, in one run, on the same stack.
 Starts ``kvgate run --gateway`` (embedded broker, the tiny real CPU executor, the admission
 service, a gateway on loopback) as a child process. Then the same closed-loop workload (C
 workers, N requests in all, M tokens each with ``ignore_eos``, greedy) runs twice per round,
-for two rounds, alternating the order:
+for ``--rounds`` rounds (4), alternating the order:
 
 - direct: the gateway's own Kafka bridge in this process (``ReplyBridge``: produce the record
   with a reply address, read tokens and the result from a reply partition) — what a Kafka
@@ -144,6 +144,7 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         process, bootstrap, port = start_stack(Path(tmp))
@@ -152,8 +153,8 @@ async def main() -> None:
             await direct_phase(bootstrap, 16, 4, 4)  # warm-up: topics, executor, caches
             await gateway_phase(port, 16, 4, 4)
             ratios: dict[str, list[float]] = {"ttft_p50": [], "ttft_p90": [], "throughput": []}
-            for round_ in range(2):
-                order = ["direct", "gateway"] if round_ == 0 else ["gateway", "direct"]
+            for round_ in range(args.rounds):
+                order = ["direct", "gateway"] if round_ % 2 == 0 else ["gateway", "direct"]
                 figures = {}
                 for phase in order:
                     if phase == "direct":

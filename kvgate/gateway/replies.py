@@ -88,7 +88,7 @@ class ReplyBridge:
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            isolation_level="read_uncommitted",  # the copy is written with its result
+            isolation_level="read_committed",  # never an answer of an aborted transaction
             # A broker that holds an empty fetch for its whole wait (Tansu does) would add up
             # to this much to every token's latency: short polls, a few per second when idle.
             fetch_max_wait_ms=20,

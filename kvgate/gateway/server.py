@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from aiokafka.errors import KafkaError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
@@ -61,6 +62,7 @@ class Gateway:
             for m in settings.models
         }
         self._background: set[asyncio.Task[None]] = set()
+        self._closing = False
         self._runners: list[web.AppRunner] = []
         self.port: int | None = None
         self.health_port: int | None = None
@@ -109,6 +111,10 @@ class Gateway:
         return int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
     async def close(self) -> None:
+        """Stop taking requests, let running ones finish (aiohttp's shutdown timeout), then
+        cancel the rest without aborting them: they stay in Kafka, and a client's retry with
+        the same id finds its answer on any replica."""
+        self._closing = True
         for runner in self._runners:
             await runner.cleanup()
         if self._background:
@@ -205,7 +211,13 @@ class Gateway:
                 waiter.resolve(known)
             elif new:
                 look_up = route.result_topic if chosen is not None else None
-                await self.bridge.send(route.request_topic, mapped.request, look_up_in=look_up)
+                try:
+                    await self.bridge.send(route.request_topic, mapped.request, look_up_in=look_up)
+                except KafkaError as exc:
+                    raise ApiError(
+                        503, f"the request could not be written to Kafka ({exc!r})",
+                        type_="server_error",
+                    ) from None  # fmt: skip
             if mapped.stream:
                 return await self._stream(request, route, mapped, waiter, new, received, labels)
             result = await self._wait(waiter, request_id, new)
@@ -242,7 +254,7 @@ class Gateway:
         """Abort in the background (the handler may be cancelled): only the HTTP request that
         sent the Kafka request aborts it, and only while no answer is in."""
         waiter = self.bridge.waiters.get(request_id)
-        if not new or (waiter is not None and waiter.result.done()):
+        if self._closing or not new or (waiter is not None and waiter.result.done()):
             return
         self.metrics.aborts.labels(reason=reason).inc()
         task = asyncio.create_task(self.bridge.abort(request_id))

@@ -142,3 +142,89 @@ def test_bad_fields_are_named(body: dict[str, object], param: str) -> None:
     with pytest.raises(ApiError) as caught:
         _mapped(body)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+async def test_not_connected_is_503_and_not_ready() -> None:
+    """A gateway whose Kafka bridge is not up answers 503 (after auth), and /readyz says so."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvgate.gateway.server import Gateway
+    from kvgate.gateway.settings import GatewaySettings, ModelRoute
+
+    settings = GatewaySettings(
+        bootstrap_servers="127.0.0.1:1", models=[ModelRoute(name="m")], keys=KEYS[:1],
+        open_health=True,
+    )  # fmt: skip
+    gateway = Gateway(settings)
+    async with TestClient(TestServer(gateway.app(), host="127.0.0.1")) as http:
+        headers = {"Authorization": f"Bearer {KEYS[0].key}"}
+        body = {"model": "m", "prompt": "a"}
+        response = await http.post("/v1/completions", json=body, headers=headers)
+        assert response.status == 503
+        assert (await response.json())["error"]["type"] == "server_error"
+        assert (await http.post("/v1/completions", json=body)).status == 401
+        assert (await http.get("/readyz")).status == 503
+        assert (await http.get("/healthz")).status == 200
+
+
+def test_keys_from_a_file_and_the_environment(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from kvgate.gateway.settings import API_KEY_ENV, load_keys
+
+    folder = Path(str(tmp_path))
+    secret = folder / "team-b"
+    secret.write_text("sk-from-a-file-0123456789\n")
+    keys_file = folder / "keys.yaml"
+    keys_file.write_text(
+        "keys:\n  - {name: a, key: sk-aaaaaaaaaaaaaaaa, min_priority: -5}\n"
+        f"  - {{name: b, key_file: {secret}}}\n"
+    )
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-the-env-0123456789")
+    keys = load_keys(keys_file)
+    assert [k.name for k in keys] == ["a", "b", "env"]
+    ring = KeyRing(keys, allow_anonymous=False)
+    assert ring.authenticate("Bearer sk-from-a-file-0123456789") == keys[1]
+    assert ring.authenticate("Bearer sk-from-the-env-0123456789") == keys[2]
+    assert keys[0].priority == 0 and keys[1].priority == 0
+    for bad in (
+        "keys:\n  - {name: a, key: short}\n",
+        "keys:\n  - {name: a}\n",
+        "keys:\n  - {name: a, key: sk-aaaaaaaaaaaaaaaa, default_priority: -1}\n",
+        "keys:\n  - {name: a, key: sk-aaaaaaaaaaaaaaaa, bogus: 1}\n",
+    ):
+        keys_file.write_text(bad)
+        with pytest.raises(ValidationError):
+            load_keys(keys_file)
+
+
+def test_incremental_text_equals_the_whole_decode_with_a_real_bpe_tokenizer() -> None:
+    """A byte-level BPE tokenizer trained here (merges, spaces as Ġ, multi-byte characters
+    split across tokens): the streamed deltas concatenate to the whole decode, the service's
+    text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from kvgate.admission_service.tokenizer import FileTokenizer
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "naïve café — 東京 😀 ok"] * 20
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    codec = FileTokenizer(bpe)
+    for text in ("the lazy café 東京 fox", "😀😀 naïve — the dog", " over  the\nquick"):
+        ids = codec.encode(text)
+        stream = StreamText(codec, [])
+        sent = ""
+        for token in ids:
+            sent += stream.add(token)
+            assert text.startswith(sent)
+        assert sent == text  # all of it streamed: no stop strings, nothing cut at the end
+        assert stream.finish(codec.decode(ids)) == ""
