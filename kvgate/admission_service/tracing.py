@@ -161,9 +161,10 @@ def request_attributes(request: InferenceRequest) -> dict[str, AttributeValue]:
         attr.GEN_AI_REQUEST_MAX_TOKENS: request.max_tokens,
         attr.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
         attr.GEN_AI_REQUEST_TOP_P: sampling.top_p,
-        attr.GEN_AI_REQUEST_SEED: sampling.seed,
         attr.REQUEST_PRIORITY: request.priority,
     }
+    if sampling.seed is not None:
+        attributes[attr.GEN_AI_REQUEST_SEED] = sampling.seed
     if sampling.top_k is not None:
         attributes[attr.GEN_AI_REQUEST_TOP_K] = sampling.top_k
     return attributes

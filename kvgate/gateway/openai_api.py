@@ -159,7 +159,7 @@ class _Common(_Body):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=top_k,
-            seed=0 if self.seed is None else self.seed,
+            seed=self.seed,
             ignore_eos=self.ignore_eos,
         )
 

@@ -1,8 +1,11 @@
 """Token sampling: greedy, or temperature -> top-k -> top-p -> one seeded draw per row.
 
-The draw for the token at ``position`` of request ``request_id`` uses a generator seeded from a
-stable hash of ``(seed, request_id, position)``, and each row is processed on its own, so a
-token never depends on the batch it was sampled in, on preemption, or on the restore mode.
+The draw for the token at ``position`` uses a generator seeded from a stable hash of
+``(seed, position)`` when the request sets a seed (so the same prompt, settings and seed give
+the same tokens under any request id, as vLLM's per-request seed does), or of
+``(request_id, position)`` when it does not (every request draws afresh). Each row is processed
+on its own, so a token never depends on the batch it was sampled in, on preemption, or on the
+restore mode.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ class SampleRow:
     params: SamplingParams
 
 
-def draw_seed(seed: int, request_id: str, position: int) -> int:
-    """A 63-bit generator seed from (seed, request id, position), stable across processes."""
-    key = f"{seed}\x1f{request_id}\x1f{position}".encode()
-    digest = hashlib.blake2b(key, digest_size=8).digest()
+def draw_seed(seed: int | None, request_id: str, position: int) -> int:
+    """A 63-bit generator seed from (seed, position), or (request id, position) without a seed;
+    stable across processes."""
+    key = (f"id\x1f{request_id}" if seed is None else f"seed\x1f{seed}") + f"\x1f{position}"
+    key_bytes = key.encode()
+    digest = hashlib.blake2b(key_bytes, digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 

@@ -55,7 +55,9 @@ class RequestSampling(_Input):
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: PositiveInt | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    # Set: the same prompt, settings and seed draw the same tokens whatever the request id (as
+    # vLLM's per-request seed). Unset: every request draws afresh (keyed by its id).
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     ignore_eos: bool = False
 
 

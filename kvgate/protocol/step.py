@@ -59,14 +59,15 @@ class _Frozen(BaseModel):
 class SamplingParams(_Frozen):
     """How the next token is drawn. ``temperature == 0`` is greedy.
 
-    Draws use a generator keyed by ``(seed, request_id, position)``, so a token never depends on
-    batch composition, preemption or the restore mode.
+    Draws use a generator keyed by ``(seed, position)`` — or ``(request_id, position)`` when no
+    seed is set — so a token never depends on batch composition, preemption or the restore
+    mode, and a seeded request is reproducible under any request id.
     """
 
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=1)] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     max_tokens: PositiveInt = 16
     ignore_eos: bool = False
     # Return each sampled token's log-probability and the top ``logprobs`` alternatives.

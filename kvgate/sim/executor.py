@@ -322,7 +322,8 @@ class SimExecutor:
         return request.exit_depths[position - prompt_len + 1]
 
     def _sample(self, request: _SimRequest, value: int, position: int, depth: int) -> SampledToken:
-        token = mix(value, request.new.sampling.seed, position) % self.model.vocab_size
+        seed = request.new.sampling.seed or 0
+        token = mix(value, seed, position) % self.model.vocab_size
         request.outputs.append(token)
         request.exit_depths.append(depth)
         sampling = request.new.sampling

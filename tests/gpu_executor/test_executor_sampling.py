@@ -22,9 +22,14 @@ from tests.gpu_executor.workloads import reference_outputs
 def test_draw_seed_is_stable_and_separates_its_inputs() -> None:
     base = draw_seed(1, "r", 5)
     assert base == draw_seed(1, "r", 5)
-    assert len({base, draw_seed(2, "r", 5), draw_seed(1, "s", 5), draw_seed(1, "r", 6)}) == 4
-    # No accidental aliasing between the fields: ("1", "23") and ("12", "3") differ.
-    assert draw_seed(1, "23", 4) != draw_seed(12, "3", 4)
+    assert len({base, draw_seed(2, "r", 5), draw_seed(1, "r", 6)}) == 3
+    # A seed keys the draw on its own: the request id does not enter.
+    assert draw_seed(1, "s", 5) == base
+    # Without a seed the id keys it, and never as a seed would: ("id", "1") vs (seed 1).
+    assert len({draw_seed(None, "r", 5), draw_seed(None, "s", 5), draw_seed(None, "1", 5)}) == 3
+    assert draw_seed(None, "1", 5) != base
+    # No accidental aliasing between the fields: ("1", 23) and ("12", 3) differ.
+    assert draw_seed(None, "1\x1f2", 3) != draw_seed(None, "1", 23)
     assert 0 <= base < 2**63
 
 

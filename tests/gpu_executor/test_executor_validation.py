@@ -27,7 +27,7 @@ A = wire.NewRequest(
 B = wire.NewRequest(
     request_id="b",
     prompt_token_ids=[2, 7, 1, 8, 2, 8, 1],
-    sampling=wire.SamplingParams(temperature=0.9, seed=5, max_tokens=5),
+    sampling=wire.SamplingParams(temperature=0.9, seed=6, max_tokens=5),
     loops=wire.LoopParams(exit_threshold=0.5),
 )
 

@@ -3,7 +3,8 @@
 The specification (``SamplingParams``): the token at ``position`` of request ``request_id`` is
 drawn by inverse CDF, in token-id order, from the temperature / top-k / top-p renormalized
 softmax, with one uniform from a ``torch.Generator`` seeded by the 63-bit little-endian blake2b-8
-hash of ``"{seed}\\x1f{request_id}\\x1f{position}"``. The distribution and the draw are written here
+hash of ``"seed\\x1f{seed}\\x1f{position}"`` — or ``"id\\x1f{request_id}\\x1f{position}"`` when
+the request sets no seed. The distribution and the draw are written here
 from that text (numpy, float64) and the logits come from the test's own forward (``hf_forward``),
 so a sampler that ignores the seed, shares a generator across rows, or filters wrongly fails.
 """
@@ -48,8 +49,9 @@ def spec_probs(logits: np.ndarray, params: wire.SamplingParams) -> np.ndarray:
     return probs / probs.sum()
 
 
-def spec_draw(probs: np.ndarray, seed: int, request_id: str, position: int) -> int:
-    key = f"{seed}\x1f{request_id}\x1f{position}".encode()
+def spec_draw(probs: np.ndarray, seed: int | None, request_id: str, position: int) -> int:
+    who = f"id\x1f{request_id}" if seed is None else f"seed\x1f{seed}"
+    key = f"{who}\x1f{position}".encode()
     generator_seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
     generator = torch.Generator().manual_seed(generator_seed & (2**63 - 1))
     uniform = float(torch.rand((), generator=generator, dtype=torch.float64))
@@ -137,6 +139,24 @@ def test_different_seeds_draw_different_sequences(llama: LoadedModel) -> None:
     assert len(sequences) == 6
 
 
+def test_a_seed_reproduces_under_any_request_id_and_no_seed_draws_afresh(
+    llama: LoadedModel,
+    forward: tuple[dict[str, torch.Tensor], dict[str, object]],
+) -> None:
+    """As vLLM's per-request seed: the same prompt, settings and seed give the same tokens
+    whatever the request is called; without a seed, two requests draw independently."""
+    seeded = SAMPLED.model_copy(update={"temperature": 1.0})
+    unseeded = seeded.model_copy(update={"seed": None})
+    requests = [(_request(rid, seeded), 1) for rid in ("a", "b")]
+    requests += [(_request(rid, unseeded), 1) for rid in ("c", "d")]
+    executor = Executor(llama, num_blocks=64, block_size=4)
+    outputs = Driver(executor, requests, DriverConfig()).run()
+    assert outputs["a"][0] == outputs["b"][0] == spec_generate(forward, "a", seeded)
+    assert outputs["c"][0] == spec_generate(forward, "c", unseeded)
+    assert outputs["d"][0] == spec_generate(forward, "d", unseeded)
+    assert outputs["c"][0] != outputs["d"][0]
+
+
 def test_temperature_zero_is_greedy_whatever_the_seed_and_filters(
     llama: LoadedModel, forward: tuple[dict[str, torch.Tensor], dict[str, object]]
 ) -> None:
@@ -169,13 +189,16 @@ def _chi_square_critical(dof: int, z: float = 3.09) -> float:
 def test_draws_follow_the_renormalized_softmax(
     forward: tuple[dict[str, torch.Tensor], dict[str, object]], params: wire.SamplingParams
 ) -> None:
-    """Seeded chi-square: 3000 draws (one per request id) against the specified distribution."""
+    """Chi-square: 3000 draws (one per seed) against the specified distribution."""
     tensors, config = forward
     # The tiny model's logits have a spread of ~8 (near-greedy); scaled to ~1, many tokens count.
     logits = hf_last_logits(tensors, config, PROMPT) / 8.0
     expected = spec_probs(logits.double().numpy(), params)
     draws = 3000
-    rows = [SampleRow(f"r{i}", len(PROMPT), params) for i in range(draws)]
+    rows = [
+        SampleRow("r", len(PROMPT), params.model_copy(update={"seed": params.seed + i}))
+        for i in range(draws)
+    ]
     counts = np.bincount(sample(logits.expand(draws, -1), rows), minlength=expected.size)
     assert counts[expected == 0.0].sum() == 0, "drew a token the filters exclude"
     expect = expected * draws
