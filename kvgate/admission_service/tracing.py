@@ -9,6 +9,8 @@ round-trip span of each step is the executor step span's parent (``StepPlan.trac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
@@ -18,6 +20,33 @@ from kvgate.protocol.records import InferenceRequest, InferenceResult, SourceRef
 from kvgate.protocol.step import StepPlan, StepResult
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import context_from_traceparent
+
+
+@dataclass(frozen=True, slots=True)
+class StepDecisions:
+    """What the scheduler decided in one step, by request id (in plan order)."""
+
+    admitted: tuple[str, ...]
+    prefilled: tuple[str, ...]
+    decoded: tuple[str, ...]
+    preempted: tuple[str, ...]
+
+    @classmethod
+    def of(cls, plan: StepPlan, report: StepReport) -> StepDecisions:
+        return cls(
+            admitted=tuple(rid for rid, _ in report.admitted),
+            prefilled=tuple(row.request_id for row in plan.prefill_rows),
+            decoded=tuple(plan.decode.request_ids),
+            preempted=tuple(p.victim_id for p in report.preemptions),
+        )
+
+    def attributes(self) -> dict[str, AttributeValue]:
+        return {
+            attr.STEP_ADMITTED_IDS: list(self.admitted),
+            attr.STEP_PREFILL_IDS: list(self.prefilled),
+            attr.STEP_DECODE_IDS: list(self.decoded),
+            attr.STEP_PREEMPTED_IDS: list(self.preempted),
+        }
 
 
 class ServiceTracer:
@@ -119,6 +148,7 @@ class ServiceTracer:
                 attr.STEP_RUNNING: report.num_running,
                 attr.KV_BLOCKS_USED: report.blocks_used,
                 attr.KV_BLOCKS_FREE: report.blocks_free,
+                **StepDecisions.of(plan, report).attributes(),
             },
         )
 
