@@ -107,9 +107,10 @@ async def read_window(
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
-    if topic not in await consumer.topics():  # fetches the cluster's metadata
-        raise LogPositionError(f"topic {topic!r} does not exist on this cluster")
-    found = consumer.partitions_for_topic(topic)
+    # One metadata request for the whole cluster (aiokafka's public calls read a cache that an
+    # assigned, unsubscribed consumer never fills).
+    cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001
+    found = cluster.partitions_for_topic(topic)
     if not found:
         raise LogPositionError(f"topic {topic!r} does not exist on this cluster")
     return [TopicPartition(topic, p) for p in sorted(found)]
