@@ -99,8 +99,11 @@ def _from_pool(path: Path, data: dict[str, Any]) -> PoolSettings:
         spec = parse_spec(name, data.get("spec"))
     except InvalidSpecError as exc:
         raise PoolSettingsError(f"{path}: {exc}") from None
-    # The operator writes the pool's scheduler section into the service's ConfigMap as it is.
-    return PoolSettings(spec.scheduler, LimitsSettings(), f"ExecutorPool {name}")
+    # The operator writes the settings the pool sets into the service's ConfigMap
+    # (``exclude_unset``), and the service fills in its own defaults: the same path here.
+    written = spec.scheduler.model_dump(mode="json", exclude_unset=True)
+    service = load_settings(None, overrides={"kafka": _PLACEHOLDER_KAFKA, "scheduler": written})
+    return PoolSettings(service.scheduler, LimitsSettings(), f"ExecutorPool {name}")
 
 
 @dataclass(slots=True)

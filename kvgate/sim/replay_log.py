@@ -109,7 +109,7 @@ async def read_window(
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
     # One metadata request for the whole cluster (aiokafka's public calls read a cache that an
     # assigned, unsubscribed consumer never fills).
-    cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001
+    cluster = await consumer._client.fetch_all_metadata()
     found = cluster.partitions_for_topic(topic)
     if not found:
         raise LogPositionError(f"topic {topic!r} does not exist on this cluster")

@@ -90,9 +90,7 @@ def _body(request: WorkloadRequest) -> dict[str, Any]:
     }
 
 
-async def _produce_at(
-    bootstrap: str, topic: str, records: list[tuple[int, int, bytes]]
-) -> None:
+async def _produce_at(bootstrap: str, topic: str, records: list[tuple[int, int, bytes]]) -> None:
     """(partition, timestamp ms, value) each, in order."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
