@@ -61,6 +61,9 @@ class PoolSettings:
     limits: LimitsSettings
     source: str  # "service settings", "ExecutorPool <name>" or "defaults"
     enable_prefix_caching: bool = True
+    # Whether the service read text prompts: a settings file without limits.tokenizer_file
+    # says it refused them; a pool manifest or no file cannot say, so text is assumed read.
+    service_tokenizes: bool = True
 
 
 def load_pool_settings(path: Path | None) -> PoolSettings:
@@ -84,6 +87,7 @@ def load_pool_settings(path: Path | None) -> PoolSettings:
         service.limits,
         "service settings",
         enable_prefix_caching=service.executors.enable_prefix_caching,
+        service_tokenizes=service.limits.tokenizer_file is not None,
     )
 
 
@@ -132,7 +136,7 @@ def build_workload(
     out = ReplayInput(workload=_empty_workload(pool, executor, max_steps), records=len(records))
     seen: set[str] = set()
     for record in ordered:
-        verdict = _validate(record, pool.limits, tokenizer)
+        verdict = _validate(record, pool, tokenizer)
         if verdict is None:
             out.skipped_text += 1
             continue
@@ -165,18 +169,17 @@ def build_workload(
 
 
 def _validate(
-    record: RawRecord, limits: LimitsSettings, tokenizer: TextCodec | None
+    record: RawRecord, pool: PoolSettings, tokenizer: TextCodec | None
 ) -> Accepted | Rejection | None:
-    """The service's verdict on ``record``; None for a text prompt replayed without a tokenizer
-    (the service it came from had one, or it would have refused it: skipping it is honest,
-    refusing it would invent a rejection that never happened)."""
-    verdict = check_request(record, limits, has_tokenizer=True)
+    """The service's verdict on ``record``; None for text the service read (it had a
+    tokenizer) replayed without ``--tokenizer``: skipping it is honest, rejecting it would report
+    a refusal that never happened, and made-up token ids would change its cost. A service
+    without a tokenizer refused text, and so does its replay (the same check says so)."""
+    verdict = check_request(record, pool.limits, has_tokenizer=pool.service_tokenizes)
     if isinstance(verdict, NeedsTokens):
         if tokenizer is None:
             return None
-        return tokenized(verdict, tokenizer, limits)
-    if isinstance(verdict, Rejection) and verdict.code is RejectCode.TEXT_WITHOUT_TOKENIZER:
-        return None  # stop strings: text again
+        return tokenized(verdict, tokenizer, pool.limits)
     return verdict
 
 

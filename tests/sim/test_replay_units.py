@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvgate.admission_service.scheduler.config import SchedulerConfig
 from kvgate.admission_service.settings import LimitsSettings
+from kvgate.admission_service.tokenizer import load_tokenizer
 from kvgate.admission_service.tracing import StepDecisions
 from kvgate.admission_service.validation import RawRecord
 from kvgate.sim.backend import SimExecutorConfig
@@ -38,6 +39,7 @@ from kvgate.sim.simulate import simulate
 from kvgate.sim.workload import CacheSection, ModelSection, Workload, WorkloadRequest
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.spans_file import span_record
+from tests.admission_service.test_validation import _word_tokenizer
 from tests.operator.examples import FULL_SPEC
 
 
@@ -173,3 +175,21 @@ def test_a_spans_file_without_decisions_is_refused(tmp_path: Path) -> None:
     path.write_text("{oops\n")
     with pytest.raises(SpansFileError, match=r"old\.jsonl:1: not JSON"):
         load_recorded_steps(path)
+
+
+def test_text_prompts_replay_with_a_tokenizer(tmp_path: Path) -> None:
+    codec = load_tokenizer(_word_tokenizer(tmp_path))
+    body = {"request_id": "t", "prompt": "hello world", "max_tokens": 3}
+    replay = build_workload([_record(0, 0, body)], POOL, EXECUTOR, step_ms=50, tokenizer=codec)
+    assert replay.skipped_text == 0
+    assert replay.workload.requests[0].prompt == codec.encode("hello world")
+
+
+def test_text_is_rejected_when_the_service_had_no_tokenizer(tmp_path: Path) -> None:
+    service = tmp_path / "service.yaml"
+    service.write_text(yaml.safe_dump({"scheduler": {"max_num_seqs": 2}}))
+    pool = load_pool_settings(service)
+    assert not pool.service_tokenizes
+    body = {"request_id": "t", "prompt": "hello world", "max_tokens": 3}
+    replay = build_workload([_record(0, 0, body)], pool, EXECUTOR, step_ms=50, tokenizer=None)
+    assert (replay.skipped_text, replay.rejections) == (0, {"text_without_tokenizer": 1})
