@@ -126,7 +126,7 @@ class ServiceTracer:
         self, executor: str, plan: StepPlan, report: StepReport, links: list[Span]
     ) -> Span:
         preemption_modes = [p.mode.value for p in report.preemptions]
-        return self._tracer.start_span(
+        span = self._tracer.start_span(
             attr.ADMISSION_STEP_SPAN,
             kind=SpanKind.CLIENT,
             links=[Link(s.get_span_context()) for s in links if s.get_span_context().is_valid],
@@ -148,9 +148,11 @@ class ServiceTracer:
                 attr.STEP_RUNNING: report.num_running,
                 attr.KV_BLOCKS_USED: report.blocks_used,
                 attr.KV_BLOCKS_FREE: report.blocks_free,
-                **StepDecisions.of(plan, report).attributes(),
             },
         )
+        if span.is_recording():  # a list of ids per step: only when someone records it
+            span.set_attributes(StepDecisions.of(plan, report).attributes())
+        return span
 
     @staticmethod
     def end_step(span: Span, result: StepResult, round_trip_s: float) -> None:
