@@ -89,8 +89,8 @@ async def read_window(
         isolation_level=settings.isolation_level.value,
         group_id=None,
     )
-    await consumer.start()
     try:
+        await consumer.start()
         partitions = await _partitions(consumer, topic)
         consumer.assign(partitions)
         begin = await consumer.beginning_offsets(partitions)
