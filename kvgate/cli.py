@@ -20,6 +20,7 @@ from kvgate.extras import MissingExtra, extra_for, require
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvgate.sim.command", "run a workload file on the simulated or a real executor"),
+    "replay": ("kvgate.sim.replay_command", "replay a window of the request log in the simulator"),
     "executor": ("kvgate.gpu_executor.cli", "serve a model's step plans over a WebSocket"),
     "make-tiny-model": ("kvgate.gpu_executor.tiny_model", "write a small random checkpoint"),
     "convert": (

@@ -9,6 +9,8 @@ round-trip span of each step is the executor step span's parent (``StepPlan.trac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
@@ -18,6 +20,33 @@ from kvgate.protocol.records import InferenceRequest, InferenceResult, SourceRef
 from kvgate.protocol.step import StepPlan, StepResult
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import context_from_traceparent
+
+
+@dataclass(frozen=True, slots=True)
+class StepDecisions:
+    """What the scheduler decided in one step, by request id (in plan order)."""
+
+    admitted: tuple[str, ...]
+    prefilled: tuple[str, ...]
+    decoded: tuple[str, ...]
+    preempted: tuple[str, ...]
+
+    @classmethod
+    def of(cls, plan: StepPlan, report: StepReport) -> StepDecisions:
+        return cls(
+            admitted=tuple(rid for rid, _ in report.admitted),
+            prefilled=tuple(row.request_id for row in plan.prefill_rows),
+            decoded=tuple(plan.decode.request_ids),
+            preempted=tuple(p.victim_id for p in report.preemptions),
+        )
+
+    def attributes(self) -> dict[str, AttributeValue]:
+        return {
+            attr.STEP_ADMITTED_IDS: list(self.admitted),
+            attr.STEP_PREFILL_IDS: list(self.prefilled),
+            attr.STEP_DECODE_IDS: list(self.decoded),
+            attr.STEP_PREEMPTED_IDS: list(self.preempted),
+        }
 
 
 class ServiceTracer:
@@ -97,7 +126,7 @@ class ServiceTracer:
         self, executor: str, plan: StepPlan, report: StepReport, links: list[Span]
     ) -> Span:
         preemption_modes = [p.mode.value for p in report.preemptions]
-        return self._tracer.start_span(
+        span = self._tracer.start_span(
             attr.ADMISSION_STEP_SPAN,
             kind=SpanKind.CLIENT,
             links=[Link(s.get_span_context()) for s in links if s.get_span_context().is_valid],
@@ -121,6 +150,9 @@ class ServiceTracer:
                 attr.KV_BLOCKS_FREE: report.blocks_free,
             },
         )
+        if span.is_recording():  # a list of ids per step: only when someone records it
+            span.set_attributes(StepDecisions.of(plan, report).attributes())
+        return span
 
     @staticmethod
     def end_step(span: Span, result: StepResult, round_trip_s: float) -> None:

@@ -24,7 +24,7 @@ from kvgate.admission_service.scheduler.config import (
     PreemptionMode,
 )
 from kvgate.admission_service.scheduler.errors import RequestRejected, SchedulerStalled
-from kvgate.admission_service.scheduler.events import AdmissionKind, FinishedEvent
+from kvgate.admission_service.scheduler.events import AdmissionKind, FinishedEvent, StepReport
 from kvgate.admission_service.scheduler.invariants import ALL_INVARIANTS, Invariant
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import Scheduler
@@ -53,6 +53,7 @@ class StepExecutor(Protocol):
 
 
 ExecutorFactory = Callable[[Workload], StepExecutor]
+StepObserver = Callable[[StepPlan, StepReport], None]  # each planned step, before it runs
 
 
 def sim_executor(workload: Workload) -> StepExecutor:
@@ -159,6 +160,7 @@ def run_once(
     executor: StepExecutor | None = None,
     check: bool = True,
     audit: bool = True,
+    observe: StepObserver | None = None,
 ) -> RunResult:
     executor = executor or sim_executor(workload)
     scheduler = build_scheduler(workload, strategy, max_model_len=executor.info.max_model_len)
@@ -181,6 +183,8 @@ def run_once(
                 if check:
                     _check(scheduler, result, promised)
             if plan is not None:
+                if observe is not None:
+                    observe(plan, scheduler.last_report)
                 result.steps += 1
                 results.append(executor.execute(plan))
             if results and (len(results) == allowed or plan is None):

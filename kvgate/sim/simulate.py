@@ -13,6 +13,7 @@ from kvgate.sim.report import SimReport, build_report
 from kvgate.sim.runner import (
     ExecutorFactory,
     RunResult,
+    StepObserver,
     run_once,
     sim_executor,
     unconstrained,
@@ -49,11 +50,17 @@ def simulate(
     reference: ReferenceRun = simulated_reference,
     check: bool = True,
     audit: bool = True,
+    observe: StepObserver | None = None,
 ) -> SimReport:
     strategy = strategy or KvgateStrategy()
     runs = workload_for(strategy, workload)
     run = run_once(
-        runs, strategy=strategy, executor=executor_factory(runs), check=check, audit=audit
+        runs,
+        strategy=strategy,
+        executor=executor_factory(runs),
+        check=check,
+        audit=audit,
+        observe=observe,
     )
     return build_report(strategy.name, run, reference(workload))
 

@@ -101,3 +101,9 @@ STEP_ROUND_TRIP_S: Final = "kvgate.step.round_trip_s"
 STEP_WAITING: Final = "kvgate.step.waiting"
 STEP_RUNNING: Final = "kvgate.step.running"
 STEP_ADMISSIONS: Final = "kvgate.step.admissions"
+# The step's decisions by request id (what `kvgate replay --spans` compares): admitted (fresh or
+# restored), given a prefill row, given a decode row, preempted.
+STEP_ADMITTED_IDS: Final = "kvgate.step.admitted_ids"
+STEP_PREFILL_IDS: Final = "kvgate.step.prefill_ids"
+STEP_DECODE_IDS: Final = "kvgate.step.decode_ids"
+STEP_PREEMPTED_IDS: Final = "kvgate.step.preempted_ids"
