@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -11,9 +12,10 @@ import torch
 from kvgate.gpu_executor.config import CheckpointError, load_config
 from kvgate.gpu_executor.gguf_checkpoint import is_gguf, read_gguf_checkpoint
 from kvgate.gpu_executor.model import Model, assemble_weights
-from kvgate.gpu_executor.tokenizer import TextTokenizer, load_tokenizer
+from kvgate.gpu_executor.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
 from kvgate.gpu_executor.weights import read_checkpoint
 from kvgate.protocol.enums import AUTO_DTYPE, DType
+from kvgate.protocol.tokenizer_files import TokenizerFiles
 
 DTypeChoice = DType | Literal["auto"] | torch.dtype
 
@@ -43,6 +45,8 @@ class LoadedModel:
     model: Model
     tokenizer: TextTokenizer | None
     source: Path
+    # What the step server hands to the admission service (GET /v1/tokenizer).
+    tokenizer_files: TokenizerFiles | None = None
 
 
 def load_model(
@@ -66,7 +70,22 @@ def load_model(
         raise CheckpointError(
             f"tokenizer.json has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
         )
-    return LoadedModel(Model(config, assemble_weights(config, tensors)), tokenizer, path)
+    model = Model(config, assemble_weights(config, tensors))
+    return LoadedModel(model, tokenizer, path, _directory_tokenizer_files(path))
+
+
+def _directory_tokenizer_files(path: Path) -> TokenizerFiles | None:
+    tokenizer_file = path / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        return None
+    config_file = path / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} must hold a JSON object")
+    return TokenizerFiles.of(tokenizer_file.read_text(), config)
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: DTypeChoice) -> LoadedModel:
@@ -74,4 +93,7 @@ def _load_gguf(path: Path, device: torch.device, dtype: DTypeChoice) -> LoadedMo
     checkpoint = read_gguf_checkpoint(path, torch_dtype, device)
     config = checkpoint.config
     model = Model(config, assemble_weights(config, checkpoint.tensors))
-    return LoadedModel(model, TextTokenizer(checkpoint.tokenizer), path)
+    files = TokenizerFiles.of(
+        checkpoint.tokenizer.to_str(), checkpoint.special_tokens.tokenizer_config()
+    )
+    return LoadedModel(model, TextTokenizer(checkpoint.tokenizer), path, files)
