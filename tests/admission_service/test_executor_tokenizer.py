@@ -84,7 +84,7 @@ async def test_executors_that_agree_share_one_tokenizer_and_others_are_refused(
             await connector(first, 1)
         with pytest.raises(_Opened):
             await connector(same, 1)
-        with pytest.raises(ConnectFailed, match="serves tokenizer .* but this pool's executors"):
+        with pytest.raises(ConnectFailed, match=r"serves tokenizer .* but this pool's executors"):
             await connector(other, 1)
         with pytest.raises(ConnectFailed, match="serves no tokenizer"):
             await connector(bare, 1)
@@ -104,9 +104,7 @@ async def test_executors_that_agree_share_one_tokenizer_and_others_are_refused(
     assert rendered == "<user> w1 w2 <assistant>"
 
 
-async def test_a_pool_whose_model_has_no_tokenizer(
-    executors: Start, tmp_path: Path
-) -> None:
+async def test_a_pool_whose_model_has_no_tokenizer(executors: Start, tmp_path: Path) -> None:
     bare = await executors(None)
     served = await executors(files(tmp_path, 1))
     pool = PoolTokenizer()
@@ -114,7 +112,7 @@ async def test_a_pool_whose_model_has_no_tokenizer(
         connector = TokenizerCheckingConnector(_inner, pool, http, TOKEN, timeout_s=5.0)
         with pytest.raises(_Opened):
             await connector(bare, 1)
-        with pytest.raises(ConnectFailed, match="serves tokenizer .* serve no tokenizer"):
+        with pytest.raises(ConnectFailed, match=r"serves tokenizer .* serve no tokenizer"):
             await connector(served, 1)
     assert pool.digest == "none"
     with pytest.raises(TokenizerError, match="this pool's model has no tokenizer"):
