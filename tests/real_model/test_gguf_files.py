@@ -10,7 +10,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
+from kvgate.admission_service.tokenizer import FileTokenizer
 from kvgate.cli import main
 from kvgate.gpu_executor.config import CheckpointError
 from kvgate.gpu_executor.loader import load_model
@@ -100,6 +102,19 @@ def test_the_tokenizer_comes_from_the_metadata(tiny_dir: Path, tmp_path: Path) -
     assert loaded.tokenizer.encode("ab c") == [0x61, 0x62, 0x20, 0x63]
     assert loaded.tokenizer.encode("<|bos|>x") == [256, ord("x")]
     assert loaded.tokenizer.decode([256, ord("h"), ord("i"), 257]) == "hi"
+
+
+def test_a_gguf_model_serves_the_tokenizer_it_was_rebuilt_with(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """What the executor hands the admission service encodes as the executor's own tokenizer
+    and carries the file's chat template."""
+    loaded = load_model(write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir))
+    assert loaded.tokenizer is not None and loaded.tokenizer_files is not None
+    served = FileTokenizer(Tokenizer.from_str(loaded.tokenizer_files.tokenizer_json))
+    for text in ["ab c", "<|bos|>x", "héllo 🙂 12"]:
+        assert served.encode(text) == loaded.tokenizer.encode(text)
+    assert loaded.tokenizer_files.tokenizer_config["chat_template"] == CHAT_TEMPLATE
 
 
 def test_convert_writes_a_directory_kvgate_and_transformers_load(
