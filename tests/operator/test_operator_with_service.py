@@ -27,6 +27,9 @@ import pytest
 from kopf.testing import KopfRunner
 from tokenizers import Tokenizer
 
+from kvgate.gpu_executor.gguf_file import GgufFile
+from kvgate.gpu_executor.gguf_tokenizer import build_tokenizer
+from kvgate.gpu_executor.packaged import INSTALL_HINT, packaged_gguf
 from kvgate.local.embedded_broker import EmbeddedBroker
 from kvgate.operator.naming import step_endpoint
 from kvgate.protocol.admin import ExecutorMembership, ExecutorState
@@ -340,3 +343,33 @@ async def test_a_text_request_is_answered_with_the_executors_tokenizer(
     chat = results["chat-0"]
     rendered = "<user> w1 w2 w3 <assistant>"  # the executor's chat template
     assert chat.usage.prompt_tokens == len(executors.encode(rendered, add_special_tokens=False).ids)
+
+
+@pytest.mark.timeout(180)
+async def test_a_smollm2_pool_answers_a_chat_request_with_text(
+    cluster: ServiceCluster,
+    operator: KopfRunner,
+    broker: EmbeddedBroker,
+    topics: dict[str, str],
+) -> None:
+    """The packaged SmolLM2 run by the pod's own `kvgate executor` command (on the CPU): the
+    service takes its tokenizer and chat template from it and answers in words."""
+    gguf = packaged_gguf()
+    if gguf is None:
+        pytest.skip(f"the packaged SmolLM2 is not installed ({INSTALL_HINT})")
+    assert isinstance(cluster.kubelet, ProcessKubelet)
+    cluster.kubelet.real_executors = True
+    model = {"family": "llama", "packaged": "SmolLM2-135M-Instruct"}
+    pool = service_pool(broker, topics, replicas=1, model=model, kvCache={"numBlocks": 64})
+    await cluster.create(pool)
+    await cluster.wait_for(cluster.ready, within_s=120)
+    await poll_service(cluster, lambda m: [e.state for e in m.executors] == [ExecutorState.READY])
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    request = {"request_id": "smol-0", "messages": question, "max_tokens": 12}
+    await produce(broker.bootstrap, topics["requests"], [request])
+    [result] = await results_once(broker, topics["results"], {"smol-0"})
+
+    tokenizer, _ = build_tokenizer(GgufFile(gguf).metadata)  # the file's own vocabulary
+    assert result.text == tokenizer.decode(result.output_token_ids, skip_special_tokens=True)
+    assert "Paris" in (result.text or ""), result.text
