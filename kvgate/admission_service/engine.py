@@ -50,6 +50,7 @@ from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
 from kvgate.admission_service.tracking import (
     Tracked,
     output_logprobs,
+    text_of,
 )
 from kvgate.admission_service.validation import Accepted, RawRecord, Rejection, build_spec
 from kvgate.protocol.admin import ExecutorSpec, ExecutorStatus
@@ -332,9 +333,9 @@ class Engine:
         stops = tracked.request.stop
         # A stop completed by this token lies in the last few tokens: decode only those on
         # every token (this runs on the service's event loop), the whole text once it matches.
-        tail = self._tokenizer.decode(outputs[-stop_window_tokens(stops) :])
-        if find_stop(tail, stops) is None:
-            return
+        tail = text_of(self._tokenizer, outputs[-stop_window_tokens(stops) :])
+        if tail is None or find_stop(tail, stops) is None:
+            return  # no text (a pool whose model has no tokenizer): nothing to stop on
         text = self._tokenizer.decode(outputs)
         cut = find_stop(text, stops)
         if cut is not None:

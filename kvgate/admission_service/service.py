@@ -1,8 +1,9 @@
 """The admission service: wiring, start-up and the ordered shutdown.
 
-Start-up: tokenizer (if configured) → topics (created or checked) → exactly-once probe → admin
-API (health answers from here on) → producers, consumer group, abort reader, Kafka health
-checks → executors from the static membership → ready.
+Start-up: tokenizer (if configured: a file; or the executors' own, fetched as each connects) →
+topics (created or checked) → exactly-once probe → admin API (health answers from here on) →
+producers, consumer group, abort reader, Kafka health checks → executors from the static
+membership → ready.
 
 Shutdown (SIGTERM):
 
@@ -39,6 +40,7 @@ from kvgate.admission_service.dead_letters import MIN_DEAD_LETTER_BYTES
 from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_client import Connector, WebSocketConnector
 from kvgate.admission_service.executor_handle import SessionSettings
+from kvgate.admission_service.executor_tokenizer import PoolTokenizer, TokenizerCheckingConnector
 from kvgate.admission_service.faults import CrashPoints
 from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.intake import AbortReader, Intake, request_consumer
@@ -93,6 +95,16 @@ class AdmissionService:
                 heartbeat_s=executors.heartbeat_s,
                 step_timeout_s=executors.step_timeout_s,
             )
+            if executors.tokenizer_from_executors:
+                pool_tokenizer = PoolTokenizer()
+                self.tokenizer = pool_tokenizer
+                connector = TokenizerCheckingConnector(
+                    connector,
+                    pool_tokenizer,
+                    self._http,
+                    token,
+                    timeout_s=executors.connect_timeout_s,
+                )
         self.engine_settings = EngineSettings(
             scheduler=settings.scheduler,
             session=SessionSettings(

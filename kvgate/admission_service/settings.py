@@ -200,6 +200,9 @@ class ExecutorsSettings(_Section):
     reconnect_initial_s: PositiveSeconds = 0.2
     reconnect_max_s: PositiveSeconds = 10.0
     enable_prefix_caching: bool = True
+    # Text prompts and text results through the tokenizer the executors serve (GET
+    # /v1/tokenizer); every executor must serve the same one. Excludes limits.tokenizer_file.
+    tokenizer_from_executors: bool = False
     # A request present on this many executors that failed under it is failed itself (it may be
     # what breaks them), instead of being restored on yet another executor.
     max_request_failures: Annotated[int, Field(ge=1)] = 3
@@ -328,6 +331,14 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _scheduler_defaults(cls, value: object) -> object:
         return _service_scheduler_defaults(value)
+
+    @model_validator(mode="after")
+    def _one_tokenizer(self) -> Self:
+        if self.executors.tokenizer_from_executors and self.limits.tokenizer_file is not None:
+            raise ValueError(
+                "set at most one of limits.tokenizer_file and executors.tokenizer_from_executors"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

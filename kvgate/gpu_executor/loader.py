@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -12,9 +13,10 @@ from kvgate.gpu_executor.config import CheckpointError, load_config
 from kvgate.gpu_executor.gguf_checkpoint import is_gguf, read_gguf_checkpoint
 from kvgate.gpu_executor.model import Model, assemble_weights
 from kvgate.gpu_executor.tensor_parallel.layers import TensorParallel
-from kvgate.gpu_executor.tokenizer import TextTokenizer, load_tokenizer
+from kvgate.gpu_executor.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
 from kvgate.gpu_executor.weights import read_checkpoint
 from kvgate.protocol.enums import AUTO_DTYPE, DType
+from kvgate.protocol.tokenizer_files import TokenizerFiles
 
 DTypeChoice = DType | Literal["auto"] | torch.dtype
 
@@ -44,6 +46,8 @@ class LoadedModel:
     model: Model
     tokenizer: TextTokenizer | None
     source: Path
+    # What the step server hands to the admission service (GET /v1/tokenizer).
+    tokenizer_files: TokenizerFiles | None = None
 
 
 def load_model(
@@ -75,7 +79,22 @@ def load_model(
             f"tokenizer.json has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
         )
     weights = assemble_weights(local_config, tensors)
-    return LoadedModel(Model(local_config, weights, parallel=parallel), tokenizer, path)
+    model = Model(local_config, weights, parallel=parallel)
+    return LoadedModel(model, tokenizer, path, _directory_tokenizer_files(path))
+
+
+def _directory_tokenizer_files(path: Path) -> TokenizerFiles | None:
+    tokenizer_file = path / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        return None
+    config_file = path / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} must hold a JSON object")
+    return TokenizerFiles.of(tokenizer_file.read_text(), config)
 
 
 def _load_gguf(
@@ -86,4 +105,7 @@ def _load_gguf(
     checkpoint = read_gguf_checkpoint(path, torch_dtype, device, shard)
     config = checkpoint.config if shard is None else shard.local_config(checkpoint.config)
     model = Model(config, assemble_weights(config, checkpoint.tensors), parallel=parallel)
-    return LoadedModel(model, TextTokenizer(checkpoint.tokenizer), path)
+    files = TokenizerFiles.of(
+        checkpoint.tokenizer.to_str(), checkpoint.special_tokens.tokenizer_config()
+    )
+    return LoadedModel(model, TextTokenizer(checkpoint.tokenizer), path, files)

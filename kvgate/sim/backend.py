@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvgate.admission_service.executor_client import ConnectFailed, SessionLost, SessionRefused
 from kvgate.protocol import step as wire
 from kvgate.protocol.session import EpochFence
+from kvgate.protocol.tokenizer_files import TokenizerFiles
 from kvgate.sim.executor import SimExecutor
 from kvgate.sim.workload import ExitMode, ModelSection
 
@@ -65,6 +66,8 @@ class SimBackend:
 
     def __init__(self, config: SimExecutorConfig, *, fence: EpochFence | None = None) -> None:
         self.config = config
+        # Served at GET /v1/tokenizer when set (`kvgate sim-executor --tokenizer FILE`).
+        self.tokenizer_files: TokenizerFiles | None = None
         self.executor = config.build()
         self.fence = fence or EpochFence()
         self.steps = 0

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from kvgate.protocol.tokenizer_files import TokenizerFiles
 from kvgate.sim.backend import SimBackend, SimExecutorConfig
 from kvgate.sim.workload import ExitMode
 from kvgate.step_server.server import TOKEN_ENV, StepServer, read_token, serve
@@ -35,6 +37,15 @@ def sim_step_server(backend: SimBackend, token: str, *, step_time_s: float = 0.0
     )
 
 
+def read_tokenizer_files(tokenizer_json: Path) -> TokenizerFiles:
+    """A ``tokenizer.json`` and the ``tokenizer_config.json`` beside it (if any)."""
+    config_file = tokenizer_json.parent / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object")
+    return TokenizerFiles.of(tokenizer_json.read_text(), config)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = SimExecutorConfig()
     parser.add_argument("--host", default="127.0.0.1")
@@ -51,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eos-token-id", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-time-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="tokenizer.json to serve at /v1/tokenizer (tokenizer_config.json beside it too)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,5 +92,12 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         log.error("invalid simulated executor: %s", exc)
         return 2
-    server = sim_step_server(SimBackend(config), token, step_time_s=args.step_time_ms / 1000)
+    backend = SimBackend(config)
+    if args.tokenizer is not None:
+        try:
+            backend.tokenizer_files = read_tokenizer_files(args.tokenizer)
+        except (OSError, ValueError) as exc:
+            log.error("--tokenizer %s: %s", args.tokenizer, exc)
+            return 2
+    server = sim_step_server(backend, token, step_time_s=args.step_time_ms / 1000)
     return asyncio.run(serve(server, args.host, args.port))

@@ -4,6 +4,8 @@
 GET /healthz     200 while the process can serve (503 if loading the backend failed)
 GET /readyz      200 once the backend is loaded (weights read, KV cache allocated), else 503
 GET /metrics     Prometheus text
+GET /v1/tokenizer  "Authorization: Bearer <token>" required: the model's tokenizer
+                 (TokenizerFiles JSON), 404 when the model has none, 503 while loading
 GET /v1/steps    WebSocket, "Authorization: Bearer <token>" required:
                  SessionOpen(epoch) -> SessionAccepted | ProtocolError,
                  then StepPlan* -> StepResult* (in order)
@@ -31,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 from aiohttp import ClientError, WSCloseCode, WSMsgType, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -39,6 +41,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from kvgate.protocol import step as wire
 from kvgate.protocol.session import EpochFence
+from kvgate.protocol.tokenizer_files import TOKENIZER_PATH, TokenizerFiles
 from kvgate.step_server.metrics import ExecutorMetrics
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,14 @@ class StepBackend(Protocol):
     def execute(self, plan: wire.StepPlan) -> wire.StepResult:
         """Run one plan; a plan it refuses comes back as a result with an error, not a raise."""
         ...
+
+
+@runtime_checkable
+class ServesTokenizer(Protocol):
+    """A backend whose model has a tokenizer to hand to the admission service (or None)."""
+
+    @property
+    def tokenizer_files(self) -> TokenizerFiles | None: ...
 
 
 @dataclass(eq=False)
@@ -116,6 +127,7 @@ class StepServer:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/steps", self._steps)
+        app.router.add_get(TOKENIZER_PATH, self._tokenizer)
         app.on_startup.append(self._start_loading)
         app.on_shutdown.append(self._close_session)
         app.on_cleanup.append(self._stop_worker)
@@ -183,6 +195,19 @@ class StepServer:
         return scheme.lower() == "bearer" and hmac.compare_digest(
             credentials.strip().encode(), self._token
         )
+
+    async def _tokenizer(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.Response(
+                status=401, text="bearer token required\n", headers={"WWW-Authenticate": "Bearer"}
+            )
+        backend = self.backend
+        if backend is None:
+            return web.Response(status=503, text="not ready\n")
+        files = backend.tokenizer_files if isinstance(backend, ServesTokenizer) else None
+        if files is None:
+            return web.Response(status=404, text="this executor's model has no tokenizer\n")
+        return web.Response(text=files.model_dump_json(), content_type="application/json")
 
     async def _steps(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):

@@ -96,6 +96,11 @@ def test_async_scheduling_can_be_switched_off(tmp_path: Path) -> None:
             "kafka: {bootstrap_servers: k:1}\ntelemetry: {otlp_endpoint: 'grpc://x'}",
             "otlp_endpoint",
         ),
+        (
+            "kafka: {bootstrap_servers: k:1}\nexecutors: {tokenizer_from_executors: true}\n"
+            "limits: {tokenizer_file: /t/tokenizer.json}",
+            "set at most one of limits.tokenizer_file and executors.tokenizer_from_executors",
+        ),
     ],
 )
 def test_invalid_settings_name_the_setting(tmp_path: Path, text: str, named: str) -> None:
@@ -186,6 +191,8 @@ def test_the_operators_builder_output_parses_directly(tmp_path: Path) -> None:
     settings = load_settings(write(tmp_path, text))
     assert settings.scheduler.max_num_seqs == 32
     assert settings.scheduler.preemption is PreemptionMode.RECOMPUTE
+    assert settings.executors.tokenizer_from_executors is True  # text through the executors
+    assert settings.telemetry.model_name == "/models/m"
 
 
 def test_exposure_defaults_are_closed() -> None:

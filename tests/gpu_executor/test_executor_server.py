@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -15,7 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import LoadedModel
+from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol import step as wire
+from kvgate.protocol.tokenizer_files import TokenizerFiles
 from kvgate.step_server.server import StepServer
 
 Client = TestClient[web.Request, web.Application]
@@ -267,3 +270,35 @@ async def test_shutdown_closes_the_session_as_going_away(llama: LoadedModel) -> 
     assert closing.type is aiohttp.WSMsgType.CLOSE
     assert closing.data == aiohttp.WSCloseCode.GOING_AWAY
     await test_client.close()
+
+
+async def test_the_executor_serves_its_models_tokenizer(tmp_path: Path) -> None:
+    """What the admission service tokenizes with: the model directory's own tokenizer.json."""
+    model_dir = make_tiny_model(tmp_path / "m", TinyModelSpec(seed=3))  # byte tokenizer
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{{ messages[0].content }}", "model_max_length": 9})
+    )
+    server, client = await _client(lambda: Executor(model_dir, num_blocks=16, block_size=4))
+    await server.wait_loaded()
+    try:
+        assert (await client.get("/v1/tokenizer")).status == 401
+        response = await client.get("/v1/tokenizer", headers=AUTH)
+        assert response.status == 200
+        served = TokenizerFiles.model_validate_json(await response.text())
+        assert served.tokenizer_json == (model_dir / "tokenizer.json").read_text()
+        # The chat settings only: the rest of tokenizer_config.json is the executor's business.
+        assert served.tokenizer_config == {"chat_template": "{{ messages[0].content }}"}
+    finally:
+        await client.close()
+
+
+async def test_a_model_without_a_tokenizer_serves_none(llama: LoadedModel) -> None:
+    bare = LoadedModel(llama.model, None, llama.source)
+    server, client = await _client(lambda: Executor(bare, num_blocks=16, block_size=4))
+    await server.wait_loaded()
+    try:
+        response = await client.get("/v1/tokenizer", headers=AUTH)
+        assert response.status == 404
+        assert "no tokenizer" in await response.text()
+    finally:
+        await client.close()

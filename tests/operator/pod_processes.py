@@ -225,6 +225,21 @@ class AdmissionPod:
             await self.child.stop()
 
 
+def _on_this_machine(args: list[str], ip: str, token_file: Path, name: str) -> list[str]:
+    """The pod's ``kvgate executor`` command with what differs here: the CPU in float32, the
+    pod's loopback address, the token file where its Secret volume was written."""
+    overrides = {
+        "--device": "cpu",
+        "--dtype": "float32",
+        "--host": ip,
+        "--token-file": str(token_file),
+    }
+    argv = list(args)
+    for flag, value in overrides.items():
+        argv[argv.index(flag) + 1] = value
+    return [*argv, "--executor-id", name]
+
+
 def _loopback_prefix() -> str:
     """A /24 of 127/8 for this test process's executors: parallel runs do not collide."""
     pid = os.getpid()
@@ -237,6 +252,8 @@ class ProcessKubelet(Kubelet):
 
     log_dir: Path = Path()
     executor_args: list[str] = field(default_factory=list)
+    # Run each pod's own `kvgate executor` command (a real model, on the CPU) instead.
+    real_executors: bool = False
     executors: dict[str, tuple[str, ChildProcess]] = field(default_factory=dict)  # pod: uid, proc
     failures: list[str] = field(default_factory=list)
     _prefix: str = field(default_factory=_loopback_prefix)
@@ -255,8 +272,11 @@ class ProcessKubelet(Kubelet):
         [container] = pod["spec"]["containers"]
         mounts = _mount_volumes(self.api, pod["spec"], container, self.log_dir / name)
         token_file = mounts[EXECUTOR_TOKEN_DIR] / "token"
-        argv = ["sim-executor", "--host", ip, "--port", str(EXECUTOR_PORT)]
-        argv += ["--executor-id", name, "--token-file", str(token_file), *self.executor_args]
+        if self.real_executors:
+            argv = _on_this_machine(container["args"], ip, token_file, name)
+        else:
+            argv = ["sim-executor", "--host", ip, "--port", str(EXECUTOR_PORT)]
+            argv += ["--executor-id", name, "--token-file", str(token_file), *self.executor_args]
         child = await ChildProcess.spawn(name, argv, self.log_dir, {})
         self.executors[name] = (pod["metadata"]["uid"], child)
         try:

@@ -302,6 +302,17 @@ async def executor_events(apiserver: KubeApiServer, pool: str, count: int) -> bo
             "Unsupported value",
         ),
         ({"image": ""}, "spec.image", "should be at least 1 chars long"),
+        (
+            {"model": {"family": "llama", "packaged": "gpt-2"}},
+            "spec.model.packaged",
+            "Unsupported value",
+        ),
+        (
+            # A oneOf failure names its field in the message only (the cause says "<nil>").
+            {"model": {"family": "llama", "path": "/m", "packaged": "SmolLM2-135M-Instruct"}},
+            "<nil>",
+            '"spec.model" must validate one and only one schema (oneOf). Found 2 valid',
+        ),
     ],
 )
 def test_api_server_rejects_pools_outside_the_crd_schema(
@@ -318,6 +329,17 @@ def test_api_server_rejects_pools_outside_the_crd_schema(
     assert any(c.get("field") == field for c in answer["details"]["causes"]), answer
     assert reason in answer["message"], answer
     assert apiserver.request("GET", f"{POOLS}/schema-check")[0] == 404
+
+
+def test_api_server_accepts_the_model_sources(apiserver: KubeApiServer) -> None:
+    """A packaged model and a .gguf file on a volume are pools the API server stores."""
+    packaged = {"family": "llama", "packaged": "SmolLM2-135M-Instruct"}
+    on_volume = {
+        "family": "llama",
+        "volume": {"persistentVolumeClaim": {"claimName": "models"}, "subPath": "smol.gguf"},
+    }
+    for model in (packaged, on_volume):
+        _ok(apiserver.request("POST", f"{POOLS}?dryRun=All", pool_manifest("src", model=model)))
 
 
 def test_operator_account_is_bound_by_the_chart_role(apiserver: KubeApiServer) -> None:

