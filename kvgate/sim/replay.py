@@ -195,7 +195,7 @@ def _workload_request(accepted: Accepted, *, arrival_step: int) -> WorkloadReque
         prompt=list(accepted.prompt_token_ids),
         max_tokens=request.max_tokens,
         priority=request.priority,
-        seed=request.sampling.seed,
+        seed=request.sampling.seed or 0,  # the simulated model mixes 0 for "none"
         ignore_eos=request.sampling.ignore_eos,
     )
 
