@@ -86,7 +86,8 @@ class Answers:
         self._metrics.rejections.labels(code=code.value).inc()
         self._metrics.results.labels(status=result.status.value).inc()
         self._metrics.observe_result(tracked.request.priority, result)
-        self._sink.reject(tracked.record, Rejection(code, reason, tracked.request_id), result)
+        rejection = Rejection(code, reason, tracked.request_id, tracked.request.reply)
+        self._sink.reject(tracked.record, rejection, result)
         self._tracer.finish_request(tracked.span, tracked.request, result)
 
     def rejected_record(self, record: RawRecord, rejection: Rejection, *, in_flight: bool) -> None:

@@ -264,6 +264,7 @@ class Intake:
                 RejectCode.SCHEMA,
                 f"the prompt text cannot be tokenized: {exc}",
                 pending.request.request_id,
+                pending.request.reply,
             )
         if self.outbox.ledgers.get(record.partition) is not ledger:
             return  # revoked or fenced while it was tokenized: handed off

@@ -65,7 +65,6 @@ from kvgate.admission_service.replies import (
     TOKEN_KIND,
     ReplyRoutes,
     reply_headers,
-    reply_of,
 )
 from kvgate.admission_service.settings import KafkaSettings
 from kvgate.admission_service.validation import RawRecord, Rejection
@@ -308,9 +307,8 @@ class Outbox:
             key = result.request_id.encode()
             value = result.model_dump_json(exclude_none=True).encode()
             out.append(OutRecord(self.settings.result_topic, record.partition, key, value, []))
-            reply = reply_of(record.value)
-            if reply is not None:
-                out.append(_reply_record(reply, key, value, RESULT_KIND))
+            if rejection.reply is not None:
+                out.append(_reply_record(rejection.reply, key, value, RESULT_KIND))
         self.metrics.dead_letters.inc()
         source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
         self._add(source, out)

@@ -14,7 +14,6 @@ reader of replies keeps the first copy per request id.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -22,9 +21,8 @@ from typing import Final
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from pydantic import ValidationError
 
-from kvgate.protocol.records import REPLY_KIND_HEADER, ReplyTo
+from kvgate.protocol.records import REPLY_KIND_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +34,6 @@ _UNKNOWN_TOPIC_RETRY_S: Final = 30.0  # how long a topic found missing stays ski
 
 def reply_headers(kind: bytes) -> list[tuple[str, bytes]]:
     return [(REPLY_KIND_HEADER, kind)]
-
-
-def reply_of(value: bytes | None) -> ReplyTo | None:
-    """The reply address of a raw request record that failed other checks (a rejection still
-    goes to its sender when the address itself is readable)."""
-    if value is None:
-        return None
-    try:
-        body = json.loads(value)
-        return ReplyTo.model_validate(body["reply"]) if isinstance(body, dict) else None
-    except (ValueError, KeyError, TypeError, ValidationError):
-        return None
 
 
 class ReplyRoutes:

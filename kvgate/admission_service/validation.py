@@ -34,6 +34,7 @@ from kvgate.protocol.records import (
     AbortRequest,
     InferenceRequest,
     RejectCode,
+    ReplyTo,
 )
 from kvgate.protocol.step import LoopParams, SamplingParams
 
@@ -88,12 +89,22 @@ class Rejection:
     code: RejectCode
     reason: str
     request_id: str | None
+    # The sender's reply address when it could be read (a rejection goes there too), taken
+    # from the parse that judged the record: the record is never parsed again to find it.
+    reply: ReplyTo | None = None
 
 
 def _readable_id(candidate: object) -> str | None:
     if isinstance(candidate, str) and _REQUEST_ID.match(candidate):
         return candidate
     return None
+
+
+def _readable_reply(body: dict[str, object]) -> ReplyTo | None:
+    try:
+        return ReplyTo.model_validate(body.get("reply"))
+    except ValidationError:
+        return None
 
 
 def _key_id(record: RawRecord) -> str | None:
@@ -192,7 +203,7 @@ def _parse_object(record: RawRecord, max_bytes: int) -> dict[str, object] | Reje
     version = _version_problem(body)
     if version is not None:
         request_id = _readable_id(body.get("request_id")) or _key_id(record)
-        return Rejection(version.code, version.reason, request_id)
+        return Rejection(version.code, version.reason, request_id, _readable_reply(body))
     return body
 
 
@@ -228,6 +239,7 @@ def check_request(
             "stop strings need text, and this service has no tokenizer "
             "(configure limits.tokenizer_file)",
             rid,
+            request.reply,
         )
     if isinstance(request.prompt, list):
         return _checked(request, tuple(request.prompt), limits)
@@ -237,6 +249,7 @@ def check_request(
             f"the {'prompt is text' if request.prompt else 'request has messages'} but this "
             "service has no tokenizer (send token ids, or configure limits.tokenizer_file)",
             rid,
+            request.reply,
         )
     chars = _text_chars(request)
     if chars > limits.prompt_char_limit:
@@ -245,6 +258,7 @@ def check_request(
             f"the prompt has {chars} characters; at most {limits.prompt_char_limit} are "
             "tokenized (limits.max_prompt_chars)",
             rid,
+            request.reply,
         )
     return NeedsTokens(request)
 
@@ -271,7 +285,8 @@ def tokenized(
     try:
         token_ids = prompt_token_ids(codec, pending.request)
     except ChatTemplateError as exc:
-        return Rejection(RejectCode.CHAT_TEMPLATE, str(exc), pending.request.request_id)
+        request = pending.request
+        return Rejection(RejectCode.CHAT_TEMPLATE, str(exc), request.request_id, request.reply)
     return complete_text(pending, token_ids, limits)
 
 
@@ -280,8 +295,12 @@ def complete_text(
 ) -> Accepted | Rejection:
     """The checks left for a text prompt once it is tokenized."""
     if not token_ids:
+        request = pending.request
         return Rejection(
-            RejectCode.SCHEMA, "the prompt text encodes to no tokens", pending.request.request_id
+            RejectCode.SCHEMA,
+            "the prompt text encodes to no tokens",
+            request.request_id,
+            request.reply,
         )
     return _checked(pending.request, tuple(token_ids), limits)
 
@@ -296,6 +315,7 @@ def _checked(
             f"the prompt has {len(token_ids)} tokens; limits.max_prompt_tokens is "
             f"{limits.max_prompt_tokens}",
             rid,
+            request.reply,
         )
     if request.max_tokens > limits.max_output_tokens:
         return Rejection(
@@ -303,6 +323,7 @@ def _checked(
             f"max_tokens {request.max_tokens} exceeds limits.max_output_tokens "
             f"{limits.max_output_tokens}",
             rid,
+            request.reply,
         )
     if not limits.priority_min <= request.priority <= limits.priority_max:
         return Rejection(
@@ -310,6 +331,7 @@ def _checked(
             f"priority {request.priority} is outside [{limits.priority_min}, "
             f"{limits.priority_max}]",
             rid,
+            request.reply,
         )
     return Accepted(request, token_ids)
 
@@ -320,12 +342,15 @@ def _classify_bad_request(record: RawRecord, max_bytes: int) -> Rejection:
     if isinstance(body, Rejection):
         return body
     request_id = _readable_id(body.get("request_id")) or _key_id(record)
+    reply = _readable_reply(body)
     try:
         InferenceRequest.model_validate(body)
     except ValidationError as exc:
-        return Rejection(RejectCode.SCHEMA, describe_schema_error(exc), request_id)
+        return Rejection(RejectCode.SCHEMA, describe_schema_error(exc), request_id, reply)
     # JSON that parses as a dict and validates as one, but not from bytes: e.g. duplicate keys.
-    return Rejection(RejectCode.SCHEMA, "the body does not match the request schema", request_id)
+    return Rejection(
+        RejectCode.SCHEMA, "the body does not match the request schema", request_id, reply
+    )
 
 
 def validate_abort(record: RawRecord, max_bytes: int) -> AbortRequest | Rejection:

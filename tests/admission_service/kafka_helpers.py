@@ -54,7 +54,7 @@ class Topics:
 async def produce(
     bootstrap: str,
     topic: str,
-    values: Iterable[dict[str, Any] | bytes],
+    values: Iterable[dict[str, Any] | bytes | tuple[bytes, bytes]],
     *,
     headers: list[tuple[str, bytes]] | None = None,
 ) -> None:
@@ -66,6 +66,8 @@ async def produce(
             if isinstance(value, dict):
                 key = str(value.get("request_id", "")).encode() or None
                 data = json.dumps(value).encode()
+            elif isinstance(value, tuple):
+                key, data = value  # raw bytes under a key
             else:
                 key, data = None, value
             futures.append(await producer.send(topic, data, key=key, headers=headers))

@@ -13,12 +13,14 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from kvgate.admission_service.replies import reply_of
+from kvgate.admission_service.settings import LimitsSettings
+from kvgate.admission_service.validation import RawRecord, Rejection, validate_request
 from kvgate.local.embedded_broker import EmbeddedBroker
 from kvgate.protocol.records import (
     REPLY_KIND_HEADER,
     InferenceResult,
     RejectCode,
+    ReplyTo,
     ResultStatus,
     TokenChunk,
 )
@@ -79,27 +81,33 @@ async def test_answers_are_copied_to_the_reply_partition_only(
         )
         too_big = request_body("big", prompt_len=400, reply={"topic": reply_topic, "partition": 1})
         outside = request_body("outside", reply={"topic": topics.results, "partition": 0})
+        # Schema-bad, with a readable address: the rejection is copied there too.
+        bad_body = request_body("badbody", reply={"topic": reply_topic, "partition": 1})
+        bad_body["max_tokens"] = -1
+        # Nested past the parser's depth under a readable key: rejected, no copy, nothing stuck.
+        deep = (b"deep", b'{"request_id": "deep", "reply": ' + b"[" * 50_000 + b"]" * 50_000 + b"}")
         await produce(
             broker.bootstrap,
             topics.requests,
-            [*mine, *plain, lost, no_such_partition, too_big, outside],
+            [deep, *mine, *plain, lost, no_such_partition, too_big, outside, bad_body],
         )
         results = await read_results(
-            broker.bootstrap, topics.results, 14, read_committed=False, settle_s=0.3
+            broker.bootstrap, topics.results, 16, read_committed=False, settle_s=0.3
         )
         by_id = {r.request_id: r for r in results}
-        assert len(results) == len(by_id) == 14  # every request answered once, reply or not
+        assert len(results) == len(by_id) == 16  # every request answered once, reply or not
         assert by_id["lost"].status is by_id["far"].status is ResultStatus.COMPLETED
         assert by_id["big"].reject_code is RejectCode.INFEASIBLE
-        assert by_id["outside"].reject_code is RejectCode.SCHEMA
+        assert by_id["outside"].reject_code is by_id["badbody"].reject_code is RejectCode.SCHEMA
+        assert by_id["deep"].reject_code is RejectCode.MALFORMED_JSON
 
-        # 6 results + a rejection + the tokens of the even ones
+        # 6 results + two rejections + the tokens of the even ones
         num_tokens = sum(len(by_id[f"m{i}"].output_token_ids) for i in (0, 2, 4))
         copies = await read_all(
-            broker.bootstrap, reply_topic, until_count=6 + 1 + num_tokens, read_committed=False,
+            broker.bootstrap, reply_topic, until_count=6 + 2 + num_tokens, read_committed=False,
             settle_s=0.3,
         )  # fmt: skip
-        assert len(copies) == 6 + 1 + num_tokens
+        assert len(copies) == 6 + 2 + num_tokens
         assert {c.partition for c in copies} == {1}
         kinds = [dict(c.headers)[REPLY_KIND_HEADER] for c in copies]
         replied = [
@@ -107,7 +115,16 @@ async def test_answers_are_copied_to_the_reply_partition_only(
             for c, kind in zip(copies, kinds, strict=True)
             if kind == b"result"
         ]
-        assert sorted(r.request_id for r in replied) == ["big", "m0", "m1", "m2", "m3", "m4", "m5"]
+        assert sorted(r.request_id for r in replied) == [
+            "badbody",
+            "big",
+            "m0",
+            "m1",
+            "m2",
+            "m3",
+            "m4",
+            "m5",
+        ]
         for copy in replied:
             assert copy == by_id[copy.request_id]  # the same answer as the results topic's
         tokens: dict[str, list[TokenChunk]] = {}
@@ -125,14 +142,40 @@ async def test_answers_are_copied_to_the_reply_partition_only(
         await service.shutdown()
 
 
-def test_reply_of_reads_only_a_valid_address() -> None:
-    ok = {"request_id": "x", "reply": {"topic": "kvgate.replies.g1", "partition": 3}}
-    assert reply_of(json.dumps(ok).encode()) is not None
+def _verdict(value: bytes | None, key: bytes | None = None) -> Rejection:
+    record = RawRecord(topic="t", partition=0, offset=0, key=key, value=value)
+    verdict = validate_request(record, LimitsSettings(), tokenizer=None)
+    assert isinstance(verdict, Rejection)
+    return verdict
+
+
+def test_a_rejection_carries_only_a_valid_reply_address() -> None:
+    address = {"topic": "kvgate.replies.g1", "partition": 3}
+    schema_bad = {"request_id": "x", "prompt": "oops-not-ids", "max_tokens": -1, "reply": address}
+    verdict = _verdict(json.dumps(schema_bad).encode())
+    assert (verdict.request_id, verdict.reply) == (
+        "x",
+        ReplyTo(topic="kvgate.replies.g1", partition=3),
+    )
     for bad in (
         b"{oops",
         b"[]",
-        json.dumps({"reply": {"topic": "kvgate.results", "partition": 0}}).encode(),
-        json.dumps({"reply": {"topic": "kvgate.replies.g", "partition": -1}}).encode(),
+        json.dumps({"request_id": "x", "reply": {"topic": "kvgate.results"}}).encode(),
+        json.dumps(
+            {"request_id": "x", "reply": {"topic": "kvgate.replies.g", "partition": -1}}
+        ).encode(),
         None,
     ):
-        assert reply_of(bad) is None
+        assert _verdict(bad, key=b"x").reply is None
+
+
+def test_hostile_nesting_with_a_readable_key_is_a_rejection_without_reply() -> None:
+    """The record that stopped a partition once: the reply address was looked for by parsing
+    the raw bytes a second time, outside the parser's depth guard."""
+    deep = b'{"request_id": "x", "reply": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    verdict = _verdict(deep, key=b"x")
+    assert (verdict.code, verdict.request_id, verdict.reply) == (
+        RejectCode.MALFORMED_JSON,
+        "x",
+        None,
+    )
