@@ -145,6 +145,7 @@ def make_rig(
     scheduler: SchedulerConfig | None = None,
     token_stream: bool = False,
     tokenizer: TextCodec | None = None,
+    migrate_on_drain: bool = False,
     **limits: Any,
 ) -> EngineRig:
     connector = LocalConnector()
@@ -155,7 +156,10 @@ def make_rig(
     settings = EngineSettings(
         scheduler=scheduler or scheduler_config(),
         session=SessionSettings(
-            reconnect_initial_s=0.01, reconnect_max_s=0.05, enable_prefix_caching=True
+            reconnect_initial_s=0.01,
+            reconnect_max_s=0.05,
+            enable_prefix_caching=True,
+            migrate_on_drain=migrate_on_drain,
         ),
         token_stream=token_stream,
         timeline_steps=10_000,
