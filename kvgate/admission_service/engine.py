@@ -439,9 +439,7 @@ class Engine:
             tracked.progress = None
         except TransferError as exc:
             outcome, detail = exc.failure.value, exc.message
-            log.warning(
-                "migrating %s from %s: %s; it resumes by recompute", rid, source.name, exc
-            )
+            log.warning("migrating %s from %s: %s; it resumes by recompute", rid, source.name, exc)
         finally:
             seconds = self._clock() - began
             self.metrics.migrations.labels(outcome=outcome).inc()

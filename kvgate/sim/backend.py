@@ -25,8 +25,8 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.admission_service.executor_client import ConnectFailed, SessionLost, SessionRefused
-from kvgate.protocol import step as wire
 from kvgate.protocol import migration
+from kvgate.protocol import step as wire
 from kvgate.protocol.migration import (
     SnapshotHeader,
     SnapshotLayout,
