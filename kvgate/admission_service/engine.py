@@ -66,6 +66,8 @@ from kvgate.protocol.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
+MIGRATION_TRANSFERS = 2
+
 
 @dataclass(frozen=True, slots=True)
 class StepSample:
@@ -131,6 +133,8 @@ class Engine:
         self._unplaced: list[tuple[int, str]] = []  # heap of (arrival_seq, request id)
         self._num_unplaced = 0
         self._migrations: set[asyncio.Task[None]] = set()  # requests moving with their KV
+        # Transfers at once (each receiver stages at most a few: more would be refused busy).
+        self._transfer_slots = asyncio.Semaphore(MIGRATION_TRANSFERS)
         self._next_seq = 0
         self._step_spans: dict[tuple[str, int], Span] = {}
         self._idle = asyncio.Event()
@@ -418,10 +422,14 @@ class Engine:
         outcome, detail, size = "migrated", "", 0
         target: ExecutorHandle | None = None
         try:
-            target = self._migration_target(progress.snapshot_pages)
-            staged = await target.stage_snapshot(
-                source.spec.endpoint, ticket, rid, progress.snapshot_pages
-            )
+            async with self._transfer_slots:
+                if self._requests.get(rid) is not tracked or tracked.handed_off:
+                    outcome = "abandoned"
+                    return
+                target = self._migration_target(progress.snapshot_pages)
+                staged = await target.stage_snapshot(
+                    source.spec.endpoint, ticket, rid, progress.snapshot_pages
+                )
             size = staged.payload_bytes
             if self._requests.get(rid) is not tracked or tracked.handed_off:
                 outcome = "abandoned"  # answered or handed off meanwhile; the staging expires

@@ -190,7 +190,10 @@ class WebSocketSession:
 
     async def receive(self) -> wire.StepResult:
         try:
-            item = await asyncio.wait_for(self._results.get(), self._step_timeout_s)
+            # Not ``wait_for``: on Python 3.11 it can swallow a cancellation that arrives as the
+            # result does, and a handle told to leave would then keep its step loop running.
+            async with asyncio.timeout(self._step_timeout_s):
+                item = await self._results.get()
         except TimeoutError:
             raise SessionLost(f"no step result within {self._step_timeout_s:g} s") from None
         if isinstance(item, SessionLost):

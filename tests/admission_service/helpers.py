@@ -146,9 +146,11 @@ def make_rig(
     token_stream: bool = False,
     tokenizer: TextCodec | None = None,
     migrate_on_drain: bool = False,
+    connector: Any = None,
     **limits: Any,
 ) -> EngineRig:
-    connector = LocalConnector()
+    """An engine over in-process simulated executors (or over ``connector``)."""
+    connector = connector if connector is not None else LocalConnector()
     sink = RecordingSink()
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
