@@ -8,7 +8,8 @@ tokens out, ``b`` joins and ``a`` drains. Reported per mode:
 - recomputed tokens: K/V positions rebuilt by prefill after the move (``recomputed_tokens`` of
   the results, summed);
 - drain s: from the drain until ``a`` holds nothing (``DRAINED``);
-- resume s: from the drain until every moved request has sampled a new token on ``b``;
+- resume s: from the drain until every moved request has sampled its first token on ``b``
+  (the slowest one);
 - total s: from the first submit until every request is answered;
 - migrations: ``kvgate_admission_migrations_total`` by outcome.
 
@@ -35,9 +36,10 @@ from aiohttp import web
 
 from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_client import WebSocketConnector
-from kvgate.admission_service.executor_handle import SessionSettings
+from kvgate.admission_service.executor_handle import ExecutorHandle, SessionSettings
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.scheduler.config import SchedulerConfig
+from kvgate.admission_service.scheduler.events import RequestEvent, TokenEvent
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.validation import Accepted, RawRecord, validate_request
@@ -144,6 +146,19 @@ async def run_mode(args: argparse.Namespace, model_dir: Path | None, migrate: bo
         engine = Engine(
             settings, connector=connector, sink=sink, tracer=ServiceTracer(), metrics=metrics
         )
+        # When each request first samples a token on b (the engine's own event feed).
+        first_token_on_b: dict[str, float] = {}
+        on_events = engine.on_events
+
+        def record_events(handle: ExecutorHandle, events: list[RequestEvent]) -> None:
+            if handle.name == "b":
+                now = time.perf_counter()
+                for event in events:
+                    if isinstance(event, TokenEvent):
+                        first_token_on_b.setdefault(event.request_id, now)
+            on_events(handle, events)
+
+        engine.on_events = record_events  # type: ignore[method-assign]
         specs = [
             ExecutorSpec(name=name, endpoint=f"ws://127.0.0.1:{port}/v1/steps")
             for name, port in zip("ab", ports, strict=True)
@@ -182,25 +197,13 @@ async def run_mode(args: argparse.Namespace, model_dir: Path | None, migrate: bo
             await engine.set_members([specs[0].model_copy(update={"draining": True}), specs[1]])
             drained_at = time.perf_counter()
             at_drain = outputs_on_a()
-            b = engine.handles["b"]
-
-            def resumed() -> bool:
-                if b.scheduler is None:
-                    return False
-                requests = b.scheduler.state.requests
-                done = set(sink.answers)
-                return all(
-                    rid in done or (rid in requests and len(requests[rid].output_token_ids) > n)
-                    for rid, n in at_drain.items()
-                )
-
             drain_s = resume_s = None
             while drain_s is None or resume_s is None:
                 now = time.perf_counter() - drained_at
                 if drain_s is None and a.state is ExecutorState.DRAINED:
                     drain_s = now
-                if resume_s is None and resumed():
-                    resume_s = now
+                if resume_s is None and set(at_drain) <= set(first_token_on_b) | set(sink.answers):
+                    resume_s = max(first_token_on_b.values(), default=now) - drained_at
                 await asyncio.sleep(0.001)
             await _until(lambda: sink.count >= args.requests)
             total_s = time.perf_counter() - began
