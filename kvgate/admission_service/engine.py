@@ -251,6 +251,17 @@ class Engine:
                 self._hand_off(tracked)
         return len(dropped)
 
+    def _migrating_requests(self) -> list[Tracked]:
+        """Requests lifted with their KV and not yet placed (in transit)."""
+        return [
+            t
+            for t in self._requests.values()
+            if t.executor is None
+            and not t.unplaced
+            and t.progress is not None
+            and t.progress.snapshot_pages
+        ]
+
     def _handle_of(self, tracked: Tracked) -> ExecutorHandle | None:
         return self.handles.get(tracked.executor) if tracked.executor else None
 

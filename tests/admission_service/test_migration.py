@@ -184,3 +184,29 @@ async def test_a_receiver_without_host_room_falls_back_to_recompute() -> None:
 
     rig.add_executors = b_without_host_room  # type: ignore[method-assign]
     await _fallback(rig, workload(), migration.TransferFailure.NO_HOST_ROOM.value)
+
+
+async def test_an_abort_while_the_kv_is_in_transit_is_answered_once() -> None:
+    bodies = workload()
+    rig = make_rig(migrate_on_drain=True)
+    aborted: list[str] = []
+
+    def abort_the_first(name: str) -> None:
+        if not aborted:
+            rid = next(iter(t.request_id for t in rig.engine._migrating_requests()))
+            aborted.append(rid)
+            assert rig.engine.abort(rid)
+
+    rig.connector.before_fetch = abort_the_first
+    try:
+        moved = await drain_mid_run(rig, bodies)
+        counts = Counter(r.request_id for r in rig.sink.answer_log)
+        assert counts == Counter({str(b["request_id"]): 1 for b in bodies})
+        (rid,) = aborted
+        assert rig.sink.answers[rid].status is ResultStatus.ABORTED
+        # Its span ended with the abort's answer: the metric is where "abandoned" shows.
+        assert rid not in migration_events(rig)
+        counted = outcomes(rig)
+        assert (counted["abandoned"], counted["migrated"]) == (1, len(moved) - 1)
+    finally:
+        await rig.engine.close()
