@@ -8,7 +8,11 @@ Requests with nowhere to go (no executor ready yet) wait unplaced, in arrival or
 Every request gets a global ``arrival_seq`` when it is read, so a request that moves between
 executors (executor lost, drained or removed) keeps its place in admission order; it resumes by
 recompute from what it had generated (``Scheduler.evacuate`` / ``add_request(progress=...)``)
-and produces the same outputs.
+and produces the same outputs. A request lifted from a draining executor with its KV exported
+(migration) moves with it: the most-headroom ready executor that takes snapshots and has host
+room fetches and stages it, and it waits there as preempted with a host snapshot; any failure
+falls back to recompute. Each attempt is counted (``kvgate_admission_migrations_total
+{outcome}``) and recorded on the request span.
 
 The engine is the registry of requests read and not answered, and the placement policy over
 executor handles; each handle owns its scheduler, the requests placed on it and their KV
@@ -20,11 +24,12 @@ see ``outbox.py``); aborts that overtake their request are kept by :class:`~abor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from opentelemetry.trace import Span
@@ -43,7 +48,7 @@ from kvgate.admission_service.scheduler.events import (
     StepReport,
     TokenEvent,
 )
-from kvgate.admission_service.scheduler.scheduler import RequestProgress
+from kvgate.admission_service.scheduler.scheduler import ImportedSnapshot, RequestProgress
 from kvgate.admission_service.stops import find_stop, stop_window_tokens
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
@@ -55,10 +60,13 @@ from kvgate.admission_service.tracking import (
 from kvgate.admission_service.validation import Accepted, RawRecord, Rejection, build_spec
 from kvgate.protocol.admin import ExecutorSpec, ExecutorStatus
 from kvgate.protocol.enums import FinishReason
+from kvgate.protocol.migration import TransferError, TransferFailure
 from kvgate.protocol.records import RejectCode, ResultStatus, SourceRef
 from kvgate.protocol.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
+
+MIGRATION_TRANSFERS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +132,9 @@ class Engine:
         self._requests: dict[str, Tracked] = {}
         self._unplaced: list[tuple[int, str]] = []  # heap of (arrival_seq, request id)
         self._num_unplaced = 0
+        self._migrations: set[asyncio.Task[None]] = set()  # requests moving with their KV
+        # Transfers at once (each receiver stages at most a few: more would be refused busy).
+        self._transfer_slots = asyncio.Semaphore(MIGRATION_TRANSFERS)
         self._next_seq = 0
         self._step_spans: dict[tuple[str, int], Span] = {}
         self._idle = asyncio.Event()
@@ -139,7 +150,7 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         """Requests read and not running: unplaced, or queued in an executor's scheduler."""
-        return self._num_unplaced + self.members.num_waiting
+        return self._num_unplaced + len(self._migrations) + self.members.num_waiting
 
     @property
     def num_running(self) -> int:
@@ -171,6 +182,8 @@ class Engine:
         """Leave every executor (all at once, within ``timeout_s``: an executor that does not
         answer the close handshake in time is left anyway); requests not finished are handed
         off (left unanswered)."""
+        for task in list(self._migrations):
+            task.cancel()
         leaving = asyncio.ensure_future(self.members.close())
         try:
             await asyncio.wait_for(asyncio.shield(leaving), timeout_s)
@@ -237,6 +250,17 @@ class Engine:
             if handle is None or not handle.abort(tracked.request_id):
                 self._hand_off(tracked)
         return len(dropped)
+
+    def _migrating_requests(self) -> list[Tracked]:
+        """Requests lifted with their KV and not yet placed (in transit)."""
+        return [
+            t
+            for t in self._requests.values()
+            if t.executor is None
+            and not t.unplaced
+            and t.progress is not None
+            and t.progress.snapshot_pages
+        ]
 
     def _handle_of(self, tracked: Tracked) -> ExecutorHandle | None:
         return self.handles.get(tracked.executor) if tracked.executor else None
@@ -343,7 +367,11 @@ class Engine:
             handle.abort(tracked.request_id, FinishReason.STOP)
 
     def on_lifted(
-        self, handle: ExecutorHandle, lifted: list[RequestProgress], failure: str | None
+        self,
+        handle: ExecutorHandle,
+        lifted: list[RequestProgress],
+        failure: str | None,
+        tickets: Mapping[str, str] | None = None,
     ) -> None:
         if failure is not None:
             self.metrics.executor_losses.labels(executor=handle.name).inc()
@@ -362,6 +390,88 @@ class Engine:
                     )
                     self._answer(tracked, ResultStatus.FAILED, reason)
                     continue
+            if tickets is not None:
+                ticket = tickets.get(tracked.request_id)
+                if ticket is not None and progress.snapshot_pages:
+                    self._start_migration(tracked, handle, ticket)
+                    continue
+                # A drain that could not export it: nothing to move, or not at a token boundary.
+                outcome = "not_migratable" if progress.kv_tokens else "no_kv"
+                self.metrics.migrations.labels(outcome=outcome).inc()
+                self._tracer.migration(
+                    tracked.span, outcome=outcome, source=handle.name, target=None,
+                    detail="", payload_bytes=0, seconds=0.0,
+                )  # fmt: skip
+            self._place(tracked)
+
+    # ------------------------------------------------------------------------ migration
+    def _start_migration(self, tracked: Tracked, source: ExecutorHandle, ticket: str) -> None:
+        task = asyncio.create_task(
+            self._migrate(tracked, source, ticket), name=f"kvgate-migrate-{tracked.request_id}"
+        )
+        self._migrations.add(task)
+        task.add_done_callback(self._migrations.discard)
+
+    def _migration_target(self, num_pages: int) -> ExecutorHandle:
+        takers = [h for h in self.members.ready() if h.imports_snapshots]
+        if not takers:
+            raise TransferError(TransferFailure.NO_RECEIVER, "no ready executor takes snapshots")
+        for handle in takers:  # most headroom first
+            if handle.host_room_for(num_pages):
+                return handle
+        raise TransferError(
+            TransferFailure.NO_HOST_ROOM, f"no ready executor has host room for {num_pages} pages"
+        )
+
+    async def _migrate(self, tracked: Tracked, source: ExecutorHandle, ticket: str) -> None:
+        """Move a lifted request with its exported KV; on any failure it resumes by recompute.
+        It stays in the registry meanwhile (an abort or a revoked partition answers it)."""
+        progress = tracked.progress
+        assert progress is not None
+        began = self._clock()
+        rid = tracked.request_id
+        outcome, detail, size = "migrated", "", 0
+        target: ExecutorHandle | None = None
+        try:
+            async with self._transfer_slots:
+                if self._requests.get(rid) is not tracked or tracked.handed_off:
+                    outcome = "abandoned"
+                    return
+                target = self._migration_target(progress.snapshot_pages)
+                staged = await target.stage_snapshot(
+                    source.spec.endpoint, ticket, rid, progress.snapshot_pages
+                )
+            size = staged.payload_bytes
+            if self._requests.get(rid) is not tracked or tracked.handed_off:
+                outcome = "abandoned"  # answered or handed off meanwhile; the staging expires
+                return
+            problem = target.place(
+                tracked.spec,
+                arrival_seq=tracked.arrival_seq,
+                progress=progress,
+                snapshot=ImportedSnapshot(ticket=ticket, num_pages=staged.num_pages),
+            )
+            if problem is not None:
+                raise TransferError(TransferFailure.NO_HOST_ROOM, problem[1])
+            tracked.executor = target.name
+            tracked.executors.append(target.name)
+            tracked.progress = None
+        except TransferError as exc:
+            outcome, detail = exc.failure.value, exc.message
+            log.warning("migrating %s from %s: %s; it resumes by recompute", rid, source.name, exc)
+        finally:
+            seconds = self._clock() - began
+            self.metrics.migrations.labels(outcome=outcome).inc()
+            if outcome == "migrated":
+                self.metrics.migrated_bytes.inc(size)
+                self.metrics.migration_seconds.observe(seconds)
+            self._tracer.migration(
+                tracked.span, outcome=outcome, source=source.name,
+                target=target.name if target is not None else None, detail=detail,
+                payload_bytes=size, seconds=seconds,
+            )  # fmt: skip
+        if outcome != "migrated" and self._requests.get(rid) is tracked and not tracked.handed_off:
+            tracked.progress = dataclasses.replace(progress, snapshot_pages=0)
             self._place(tracked)
 
     def before_send(self, handle: ExecutorHandle, plan: StepPlan, report: StepReport) -> StepPlan:

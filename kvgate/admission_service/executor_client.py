@@ -25,12 +25,20 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import aiohttp
 from pydantic import TypeAdapter, ValidationError
 
+from kvgate.protocol import migration
 from kvgate.protocol import step as wire
+from kvgate.protocol.migration import (
+    SnapshotImport,
+    SnapshotStaged,
+    TransferError,
+    TransferFailure,
+    TransferRefusal,
+)
 from kvgate.protocol.session import wall_clock_ms
 
 log = logging.getLogger(__name__)
@@ -91,6 +99,18 @@ class StepSession(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class ImportsSnapshots(Protocol):
+    """A session whose executor can fetch a snapshot another executor exported (migration)."""
+
+    async def import_snapshot(
+        self, source_endpoint: str, ticket: str, request_id: str, timeout_s: float
+    ) -> SnapshotStaged:
+        """Have the executor fetch ``ticket`` from ``source_endpoint``'s executor and stage it;
+        raises :class:`TransferError` naming why it did not arrive."""
+        ...
+
+
 class Connector(Protocol):
     """Opens a session to ``endpoint`` at ``epoch``; raises SessionRefused or ConnectFailed."""
 
@@ -99,8 +119,18 @@ class Connector(Protocol):
 
 class WebSocketSession:
     def __init__(
-        self, ws: aiohttp.ClientWebSocketResponse, info: wire.ExecutorInfo, step_timeout_s: float
+        self,
+        ws: aiohttp.ClientWebSocketResponse,
+        info: wire.ExecutorInfo,
+        step_timeout_s: float,
+        *,
+        endpoint: str = "",
+        http: aiohttp.ClientSession | None = None,
+        token: str = "",
     ) -> None:
+        self._endpoint = endpoint
+        self._http = http
+        self._token = token
         self._ws = ws
         self._info = info
         self._step_timeout_s = step_timeout_s
@@ -160,13 +190,51 @@ class WebSocketSession:
 
     async def receive(self) -> wire.StepResult:
         try:
-            item = await asyncio.wait_for(self._results.get(), self._step_timeout_s)
+            # Not ``wait_for``: on Python 3.11 it can swallow a cancellation that arrives as the
+            # result does, and a handle told to leave would then keep its step loop running.
+            async with asyncio.timeout(self._step_timeout_s):
+                item = await self._results.get()
         except TimeoutError:
             raise SessionLost(f"no step result within {self._step_timeout_s:g} s") from None
         if isinstance(item, SessionLost):
             self._results.put_nowait(item)  # every later receive fails the same way
             raise item
         return item
+
+    async def import_snapshot(
+        self, source_endpoint: str, ticket: str, request_id: str, timeout_s: float
+    ) -> SnapshotStaged:
+        """``POST /v1/snapshots/import`` on this executor: it fetches from the source itself."""
+        if self._http is None or self._lost is not None:
+            raise TransferError(TransferFailure.RECEIVER_LOST, "the session is not open")
+        url = migration.http_base(self._endpoint) + migration.IMPORT_PATH
+        body = SnapshotImport(
+            source=migration.http_base(source_endpoint), ticket=ticket, request_id=request_id
+        )
+        try:
+            async with self._http.post(
+                url,
+                data=body.model_dump_json(),
+                headers={
+                    "Authorization": f"Bearer {self._token}",
+                    "Content-Type": "application/json",
+                },
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                text = await response.text()
+        except TimeoutError as exc:
+            raise TransferError(TransferFailure.TIMEOUT, f"{url}: no answer in time") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise TransferError(TransferFailure.RECEIVER_LOST, f"{url}: {exc!r}") from exc
+        try:
+            if response.status == 200:
+                return SnapshotStaged.model_validate_json(text)
+            refusal = TransferRefusal.model_validate_json(text)
+        except ValidationError:
+            raise TransferError(
+                TransferFailure.MALFORMED, f"{url}: HTTP {response.status}: {text[:200]}"
+            ) from None
+        raise TransferError(refusal.failure, refusal.message)
 
     async def close(self) -> None:
         await self._ws.close()
@@ -231,4 +299,11 @@ class WebSocketConnector:
             await ws.close()
             raise ConnectFailed(f"{endpoint}: unexpected opening answer {answer!r}")
         log.info("executor %s accepted epoch %d: %s", endpoint, epoch, answer.info.executor_id)
-        return WebSocketSession(ws, answer.info, self._step_timeout_s)
+        return WebSocketSession(
+            ws,
+            answer.info,
+            self._step_timeout_s,
+            endpoint=endpoint,
+            http=self._http,
+            token=self._token,
+        )

@@ -12,7 +12,11 @@ most one plan in flight beyond the one being applied when ``async_scheduling`` i
 step N+1, sends it, and only then applies step N's result.
 
 Lifting requests out of a draining executor happens at a quiescent point — no plan in flight —
-with ``evacuate(executor_alive=True)``, so the next plan frees their state there. An executor
+with ``evacuate(executor_alive=True)``, so the next plan frees their state there. With
+``migrate_on_drain`` the requests at a token boundary are exported instead: the handle sends
+the plan that exports their KV under one-time tickets, waits for its result, and hands them
+back with the tickets, so the engine can move them to another executor with their KV (see
+docs/admission-service.md, "KV snapshot migration"). An executor
 that leaves (removed from the membership, or the service stops) or is lost does not wait for
 its plans in flight: its session closes and ``evacuate(executor_alive=False)`` lifts everything;
 the executor resets when a session opens again. Either way the requests resume elsewhere by
@@ -25,10 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +42,7 @@ from kvgate.admission_service.executor_client import (
     ConnectFailed,
     Connector,
     EpochClock,
+    ImportsSnapshots,
     SessionLost,
     SessionRefused,
     StepSession,
@@ -48,10 +55,15 @@ from kvgate.admission_service.scheduler.errors import (
 )
 from kvgate.admission_service.scheduler.events import RequestEvent, StepReport
 from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import RequestProgress, Scheduler
+from kvgate.admission_service.scheduler.scheduler import (
+    ImportedSnapshot,
+    RequestProgress,
+    Scheduler,
+)
 from kvgate.protocol import capacity
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
 from kvgate.protocol.enums import FinishReason
+from kvgate.protocol.migration import SnapshotStaged, TransferError, TransferFailure
 from kvgate.protocol.records import RejectCode
 from kvgate.protocol.step import ExecutorCounters, ExecutorInfo, StepPlan, StepResult
 
@@ -65,6 +77,10 @@ class SessionSettings:
     reconnect_initial_s: float
     reconnect_max_s: float
     enable_prefix_caching: bool
+    # Drains move requests at a token boundary with their KV (both executors must support it).
+    migrate_on_drain: bool = False
+    migration_timeout_s: float = 30.0  # one snapshot's fetch and staging on the receiver
+    export_ttl_s: float = 30.0  # how long the leaving executor holds an unfetched export
 
 
 class PoolObserver(Protocol):
@@ -75,8 +91,15 @@ class PoolObserver(Protocol):
     def on_events(self, handle: ExecutorHandle, events: list[RequestEvent]) -> None: ...
 
     def on_lifted(
-        self, handle: ExecutorHandle, lifted: list[RequestProgress], failure: str | None
-    ) -> None: ...
+        self,
+        handle: ExecutorHandle,
+        lifted: list[RequestProgress],
+        failure: str | None,
+        tickets: Mapping[str, str] | None = None,
+    ) -> None:
+        """``tickets`` (a drain with migration on): request id -> the ticket its exported KV
+        waits under on this executor; None when the lift did not consider migration."""
+        ...
 
     def before_send(self, handle: ExecutorHandle, plan: StepPlan, report: StepReport) -> StepPlan:
         """The plan to send (the engine adds the step span's trace context)."""
@@ -140,6 +163,7 @@ class ExecutorHandle:
         # What the executor reported holding after its last step (None: no session).
         self.reported: ExecutorCounters | None = None
         self.sessions = 0
+        self._session: StepSession | None = None
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._evacuate = False
@@ -168,9 +192,49 @@ class ExecutorHandle:
         """Cache blocks minus the full-length need of every request placed here."""
         return 0 if self.info is None else self.info.num_blocks - self.reserved_blocks
 
+    @property
+    def imports_snapshots(self) -> bool:
+        """Ready, and its executor can stage a snapshot another executor exported."""
+        return (
+            self.accepts_work
+            and self.info is not None
+            and self.info.snapshot_migration
+            and isinstance(self._session, ImportsSnapshots)
+        )
+
+    def host_room_for(self, num_pages: int) -> bool:
+        return self.scheduler is not None and self.scheduler.host_room_for(num_pages)
+
     # -------------------------------------------------------------------------- requests
+    async def stage_snapshot(
+        self, source_endpoint: str, ticket: str, request_id: str, num_pages: int
+    ) -> SnapshotStaged:
+        """Have this executor fetch and stage a migrating request's KV (``place`` with the
+        snapshot follows); raises :class:`TransferError` when it cannot take it."""
+        session = self._session
+        if not self.imports_snapshots or not isinstance(session, ImportsSnapshots):
+            raise TransferError(TransferFailure.NO_RECEIVER, f"{self.name} takes no snapshots")
+        if not self.host_room_for(num_pages):
+            raise TransferError(
+                TransferFailure.NO_HOST_ROOM, f"{self.name}: no host room for {num_pages} pages"
+            )
+        sessions = self.sessions
+        staged = await session.import_snapshot(
+            source_endpoint, ticket, request_id, self._settings.migration_timeout_s
+        )
+        if self.sessions != sessions or not self.accepts_work:
+            raise TransferError(
+                TransferFailure.RECEIVER_LOST, f"{self.name}'s session changed during the transfer"
+            )
+        return staged
+
     def place(
-        self, spec: RequestSpec, *, arrival_seq: int, progress: RequestProgress | None
+        self,
+        spec: RequestSpec,
+        *,
+        arrival_seq: int,
+        progress: RequestProgress | None,
+        snapshot: ImportedSnapshot | None = None,
     ) -> tuple[RejectCode, str] | None:
         """Queue a request on this executor's scheduler and reserve its full-length need; the
         reason when it cannot run here. Only a ready handle takes work."""
@@ -183,7 +247,9 @@ class ExecutorHandle:
                 f"token id {max(prompt)} is outside the model's vocabulary ({info.vocab_size})",
             )
         try:
-            scheduler.add_request(spec, arrival_seq=arrival_seq, progress=progress)
+            scheduler.add_request(
+                spec, arrival_seq=arrival_seq, progress=progress, snapshot=snapshot
+            )
         except RequestRejected as exc:
             return RejectCode.INFEASIBLE, f"{self.name}: {exc.reason}"
         blocks = capacity.blocks_for(
@@ -282,6 +348,7 @@ class ExecutorHandle:
 
     async def _serve(self, session: StepSession) -> SessionLost | None:
         self.info = session.info
+        self._session = session
         self.scheduler = scheduler_for(
             session.info, self._config, self._settings.enable_prefix_caching
         )
@@ -330,6 +397,7 @@ class ExecutorHandle:
         self.connected = False
         self.lost_reason = failure
         self.scheduler = None
+        self._session = None
         self.reported = None
         if scheduler is not None:
             lifted = scheduler.evacuate(executor_alive=False)
@@ -346,7 +414,7 @@ class ExecutorHandle:
         while True:
             if not inflight and self._evacuate:
                 self._evacuate = False
-                self._lift(scheduler)
+                await self._lift(scheduler, session)
             while len(inflight) < allowed and scheduler.has_work and not self._evacuate:
                 plan = scheduler.schedule(self._clock())
                 events = scheduler.pop_events()
@@ -387,13 +455,45 @@ class ExecutorHandle:
         if lost.done() and not lost.cancelled():
             raise lost.result()
 
-    def _lift(self, scheduler: Scheduler) -> None:
-        """Hand every request back to the engine; the next plan frees them on the executor."""
-        lifted = scheduler.evacuate(executor_alive=True)
-        if lifted:
-            self._hand_back(lifted, None)
+    async def _lift(self, scheduler: Scheduler, session: StepSession) -> None:
+        """Hand every request back to the engine; the next plan frees them on the executor, or
+        (migration) exports their KV: that plan is sent and applied first, so the tickets the
+        engine gets are valid. If it fails, they are handed back to resume by recompute."""
+        info = self.info
+        migrate = self._settings.migrate_on_drain and info is not None and info.snapshot_migration
+        tickets = (
+            {rid: secrets.token_urlsafe(24) for rid in scheduler.migratable()} if migrate else {}
+        )
+        lifted = scheduler.evacuate(
+            executor_alive=True, exports=tickets, export_ttl_s=self._settings.export_ttl_s
+        )
+        if not lifted:
+            return
+        if tickets:
+            try:
+                await self._send_exports(scheduler, session)
+            except BaseException:
+                self._hand_back([dataclasses.replace(p, snapshot_pages=0) for p in lifted], None)
+                raise
+        self._hand_back(lifted, None, tickets if migrate else None)
 
-    def _hand_back(self, lifted: list[RequestProgress], failure: str | None) -> None:
+    async def _send_exports(self, scheduler: Scheduler, session: StepSession) -> None:
+        plan = scheduler.schedule(self._clock())
+        assert plan is not None, "an export is always planned"
+        plan = self._observer.before_send(self, plan, scheduler.last_report)
+        sent_at = time.perf_counter()
+        await session.send(plan)
+        result = await session.receive()
+        self.reported = result.counters
+        scheduler.apply(result)  # raises PlanRejected when the executor refused the exports
+        self._observer.after_apply(self, plan, result, time.perf_counter() - sent_at)
+
+    def _hand_back(
+        self,
+        lifted: list[RequestProgress],
+        failure: str | None,
+        tickets: Mapping[str, str] | None = None,
+    ) -> None:
         for progress in lifted:
             self.release(progress.spec.request_id)
-        self._observer.on_lifted(self, lifted, failure)
+        self._observer.on_lifted(self, lifted, failure, tickets)

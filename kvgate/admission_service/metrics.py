@@ -177,6 +177,22 @@ class ServiceMetrics:
             "kvgate_admission_executor_losses", "sessions that broke", ["executor"], registry=r
         )
         self.aborts = Counter("kvgate_admission_aborts", "abort messages read", registry=r)
+        self.migrations = Counter(
+            "kvgate_admission_migrations",
+            "requests lifted from a draining executor, by how they moved (migrated with their "
+            "KV, or the reason they fell back to recompute)",
+            ["outcome"],
+            registry=r,
+        )
+        self.migrated_bytes = Counter(
+            "kvgate_admission_migrated_bytes", "KV snapshot bytes moved by migrations", registry=r
+        )
+        self.migration_seconds = Histogram(
+            "kvgate_admission_migration_seconds",
+            "time from a snapshot's export to its placement on the receiver",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.commits = Counter("kvgate_admission_commits", "commit cycles", ["outcome"], registry=r)
         self.truncated_dead_letters = Counter(
             "kvgate_admission_truncated_dead_letters",

@@ -206,6 +206,13 @@ class ExecutorsSettings(_Section):
     # A request present on this many executors that failed under it is failed itself (it may be
     # what breaks them), instead of being restored on yet another executor.
     max_request_failures: Annotated[int, Field(ge=1)] = 3
+    # A drain moves its requests at a token boundary to another executor with their KV (both
+    # executors must serve snapshots); any failure falls back to recompute.
+    migrate_on_drain: bool = True
+    # One snapshot's fetch and staging on the receiver; past it the request is recomputed.
+    migration_timeout_s: PositiveSeconds = 30.0
+    # How long a leaving executor holds an export nobody fetched.
+    migration_ttl_s: PositiveSeconds = 60.0
 
     @model_validator(mode="after")
     def _members(self) -> Self:

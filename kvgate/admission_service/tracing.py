@@ -84,6 +84,31 @@ class ServiceTracer:
                 span.set_status(Status(StatusCode.ERROR, result.reason))
         span.end()
 
+    @staticmethod
+    def migration(
+        span: Span,
+        *,
+        outcome: str,
+        source: str,
+        target: str | None,
+        detail: str,
+        payload_bytes: int,
+        seconds: float,
+    ) -> None:
+        """One migration attempt on the request's span: moved with its KV, or the fallback."""
+        if span.is_recording():
+            span.add_event(
+                attr.MIGRATION_EVENT,
+                {
+                    attr.MIGRATION_OUTCOME: outcome,
+                    attr.MIGRATION_SOURCE: source,
+                    attr.MIGRATION_TARGET: target or "",
+                    attr.MIGRATION_DETAIL: detail,
+                    attr.MIGRATION_BYTES: payload_bytes,
+                    attr.MIGRATION_SECONDS: seconds,
+                },
+            )
+
     def handed_off(self, span: Span, request: InferenceRequest, source: SourceRef) -> None:
         if span.is_recording():
             span.set_attributes(

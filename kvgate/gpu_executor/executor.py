@@ -8,10 +8,13 @@ swap_in → block_appends → one forward over every prefill and decode row.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 from opentelemetry import trace
@@ -23,9 +26,10 @@ from kvgate.gpu_executor.config import DEFAULT_BLOCK_SIZE
 from kvgate.gpu_executor.kv_cache import KVCache, blocks_for_memory_fraction
 from kvgate.gpu_executor.loader import DTypeChoice, LoadedModel, load_model
 from kvgate.gpu_executor.model import Model
-from kvgate.gpu_executor.requests import RequestState, Snapshot
+from kvgate.gpu_executor.requests import DecodeCursor, RequestState, Snapshot
 from kvgate.gpu_executor.runner import StepRunner
 from kvgate.gpu_executor.step_span import kv_attributes, plan_attributes, result_attributes
+from kvgate.protocol import migration
 from kvgate.protocol import step as wire
 from kvgate.protocol.enums import AUTO_DTYPE, ExitPolicy
 from kvgate.protocol.plan_check import Geometry, PlanError, PlanValidator
@@ -93,6 +97,8 @@ class Executor:
         self._tracer = tracer or trace.get_tracer(__name__)
         self._requests: dict[str, RequestState] = {}
         self._snapshots: dict[str, Snapshot] = {}
+        self._exports: dict[str, tuple[migration.SnapshotHeader, bytes]] = {}  # ticket -> fetch
+        self._staged: dict[str, Snapshot] = {}  # ticket -> fetched, waiting for its adopt
         self._block_refs: Counter[int] = Counter()
         self._host_blocks = 0
         self._geometry = Geometry(
@@ -115,6 +121,7 @@ class Executor:
             max_model_len=config.max_model_len,
             kv_bytes_per_block=self.cache.bytes_per_block,
             has_tokenizer=self.tokenizer is not None,
+            snapshot_migration=True,
         )
 
     # ------------------------------------------------------------------------ public API
@@ -125,6 +132,8 @@ class Executor:
             num_requests=len(self._requests) + len(self._snapshots),
             num_snapshots=len(self._snapshots),
             host_blocks_used=self._host_blocks,
+            num_exports=len(self._exports),
+            num_staged=len(self._staged),
         )
 
     @property
@@ -136,14 +145,101 @@ class Executor:
         """Forget every request and snapshot (a new session epoch)."""
         self._requests.clear()
         self._snapshots.clear()
+        self._exports.clear()
+        self._staged.clear()
         self._block_refs.clear()
         self._host_blocks = 0
+
+    # ------------------------------------------------------------------------- migration
+
+    @cached_property
+    def snapshot_layout(self) -> migration.SnapshotLayout:
+        """The model's identity (its shape, dtype and embedding bytes) and the cache's geometry:
+        another executor's KV bytes mean the same here only when all of it matches."""
+        config = self.model.config
+        digest = hashlib.sha256(config.model_dump_json().encode())
+        digest.update(str(self.model.dtype).encode())
+        embed = self.model.weights.embed.detach().contiguous().cpu()
+        digest.update(embed.view(torch.uint8).numpy().tobytes())
+        return migration.SnapshotLayout(
+            model_fingerprint=f"{config.family.value}:{digest.hexdigest()}",
+            block_size=self.cache.block_size,
+            num_planes=config.num_loops,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+        )
+
+    def take_export(self, ticket: str) -> tuple[migration.SnapshotHeader, bytes] | None:
+        """The exported snapshot under ``ticket``, once (None: unknown, taken or expired)."""
+        return self._exports.pop(ticket, None)
+
+    def drop_export(self, ticket: str) -> None:
+        self._exports.pop(ticket, None)
+
+    def stage_import(self, ticket: str, header: migration.SnapshotHeader, payload: bytes) -> None:
+        """Keep a fetched snapshot on the host until a plan adopts it; ValueError when its
+        layout or size does not match this executor."""
+        problem = header.layout.mismatch(self.snapshot_layout)
+        if problem is not None:
+            raise ValueError(problem)
+        config = self.model.config
+        shape = (
+            config.num_loops * header.num_pages,
+            config.num_layers,
+            self.cache.block_size,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        element = torch.empty((), dtype=self.model.dtype).element_size()
+        half = len(payload) // 2
+        if len(payload) != 2 * element * _numel(shape):
+            raise ValueError(
+                f"{len(payload)} B of KV for {header.num_pages} pages; expected "
+                f"{2 * element * _numel(shape)} B"
+            )
+        try:
+            state = _state_from(header.state, config.num_loops)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"unreadable request state: {exc}") from exc
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        keys = raw[:half].view(self.model.dtype).reshape(shape)
+        values = raw[half:].view(self.model.dtype).reshape(shape)
+        self._staged[ticket] = Snapshot(
+            state=state, keys=keys, values=values, num_pages=header.num_pages
+        )
+
+    def drop_staged(self, ticket: str) -> None:
+        self._staged.pop(ticket, None)
+
+    def _export(self, export: wire.SnapshotExport) -> None:
+        rid = export.request_id
+        if rid not in self._snapshots:
+            self._swap_out(rid)
+        snapshot = self._snapshots.pop(rid)
+        self._host_blocks -= snapshot.num_blocks
+        keys = snapshot.keys.contiguous().view(torch.uint8).flatten()
+        values = snapshot.values.contiguous().view(torch.uint8).flatten()
+        payload = keys.numpy().tobytes() + values.numpy().tobytes()
+        state = _state_of(snapshot.state)
+        self._exports[export.ticket] = (
+            migration.header(self.snapshot_layout, rid, snapshot.num_pages, state, payload),
+            payload,
+        )
+
+    def _adopt(self, adopt: wire.SnapshotAdopt) -> None:
+        snapshot = self._staged.pop(adopt.ticket)
+        self._snapshots[adopt.request_id] = snapshot
+        self._host_blocks += snapshot.num_blocks
 
     def execute(self, plan: wire.StepPlan) -> wire.StepResult:
         began = time.perf_counter()
         error: wire.StepError | None = None
         try:
-            PlanValidator(self._geometry, self._requests, self._snapshots).validate(plan)
+            PlanValidator(self._geometry, self._requests, self._snapshots, self._staged).validate(
+                plan
+            )
         except PlanError as exc:
             error = exc.error
         with self._tracer.start_as_current_span(
@@ -174,6 +270,10 @@ class Executor:
             self._free(rid)
         for rid in plan.swap_out:
             self._swap_out(rid)
+        for export in plan.export:
+            self._export(export)
+        for adopt in plan.adopt:
+            self._adopt(adopt)
         for request in plan.new_requests:
             span_context = span_context_from_traceparent(request.traceparent)
             state = RequestState.register(request, self.model.num_loops, span_context)
@@ -308,3 +408,63 @@ def _move_hidden(state: RequestState, device: torch.device) -> None:
         state.cursor.hidden = state.cursor.hidden.to(device)
     for pending in state.wavefront.values():
         pending.hidden = pending.hidden.to(device)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _state_of(state: RequestState) -> dict[str, Any]:
+    """A request's state at a token boundary as JSON (no hidden states: none are pending)."""
+    cursor = state.cursor
+    assert cursor is not None and cursor.hidden is None and not state.wavefront
+    return {
+        "request_id": state.request_id,
+        "prompt": state.prompt,
+        "outputs": state.outputs,
+        "exit_depths": state.exit_depths,
+        "sampling": state.sampling.model_dump(mode="json"),
+        "loops": state.loops.model_dump(mode="json"),
+        "is_recompute": state.is_recompute,
+        "frontier": state.frontier,
+        "fill_start": state.fill_start,
+        "cursor": {
+            "position": cursor.position,
+            "token_id": cursor.token_id,
+            "passes_done": cursor.passes_done,
+            "remaining": cursor.remaining,
+        },
+        "finished": state.finished,
+    }
+
+
+def _state_from(raw: dict[str, Any], num_loops: int) -> RequestState:
+    frontier = list(raw["frontier"])
+    if len(frontier) != num_loops:
+        raise ValueError(f"{len(frontier)} planes in the state, the model has {num_loops}")
+    cursor = raw["cursor"]
+    if int(cursor["passes_done"]) != 0:
+        raise ValueError("a snapshot moves only at a token boundary")
+    return RequestState(
+        request_id=str(raw["request_id"]),
+        prompt=[int(t) for t in raw["prompt"]],
+        outputs=[int(t) for t in raw["outputs"]],
+        exit_depths=[int(d) for d in raw["exit_depths"]],
+        sampling=wire.SamplingParams.model_validate(raw["sampling"]),
+        loops=wire.LoopParams.model_validate(raw["loops"]),
+        num_loops=num_loops,
+        span_context=None,
+        is_recompute=bool(raw["is_recompute"]),
+        block_tables=[[] for _ in range(num_loops)],
+        frontier=frontier,
+        fill_start=raw["fill_start"],
+        cursor=DecodeCursor(
+            position=int(cursor["position"]),
+            token_id=int(cursor["token_id"]),
+            remaining=float(cursor["remaining"]),
+        ),
+        finished=bool(raw["finished"]),
+    )

@@ -1,7 +1,8 @@
 """Whole-plan validation before anything changes: replay the plan's actions on a shadow.
 
-The shadow follows the executed order (free → swap_out → new_requests → swap_in → block_appends
-→ rows) so that, e.g., a swap-in of a request swapped out in the same plan is judged correctly.
+The shadow follows the executed order (free → swap_out → export → adopt → new_requests →
+swap_in → block_appends → rows) so that, e.g., a swap-in of a request swapped out in the same
+plan is judged correctly.
 A plan that passes cannot fail on a bad id, a missing page or a missing input while it runs.
 
 Every executor, real or simulated, validates with this one class: it sees a held request only
@@ -147,6 +148,7 @@ class PlanValidator:
         geo: Geometry,
         resident: Mapping[str, HeldRequest],
         snapshots: Mapping[str, HeldSnapshot],
+        staged: Mapping[str, HeldSnapshot] | None = None,
     ):
         self.geo = geo
         self.resident: dict[str, _Shadow] = {}
@@ -154,6 +156,7 @@ class PlanValidator:
         self.swapped: dict[str, HeldSnapshot | None] = dict(snapshots)
         self.host_blocks = sum(s.num_blocks for s in snapshots.values())
         self._live = set(resident)
+        self._staged = staged or {}  # ticket -> a fetched snapshot waiting for its adopt
 
     def _shadow(self, rid: str) -> _Shadow:
         """The resident request's shadow, created on first use."""
@@ -201,6 +204,14 @@ class PlanValidator:
                 raise PlanError(ErrorCode.UNKNOWN_REQUEST, f"free of unknown request {rid}", rid)
         for rid in plan.swap_out:
             self._swap_out(rid)
+        tickets: set[str] = set()
+        for export in plan.export:
+            self._export(export.request_id)
+            if export.ticket in tickets:
+                raise PlanError(ErrorCode.BAD_PLAN, "two exports share a ticket", export.request_id)
+            tickets.add(export.ticket)
+        for adopt in plan.adopt:
+            self._adopt(adopt.request_id, adopt.ticket)
         for request in plan.new_requests:
             rid = request.request_id
             if self._is_resident(rid) or rid in self.swapped:
@@ -251,6 +262,40 @@ class PlanValidator:
         self.host_blocks += blocks
         self._live.discard(rid)
         self.swapped[rid] = None  # its state now lives in the shadow
+
+    def _export(self, rid: str) -> None:
+        """A request exports at a token boundary: its fill done, no pass of a token begun."""
+        if self._is_resident(rid):
+            view: _Shadow | RequestView = self._shadow(rid)
+            self._live.discard(rid)
+        elif rid in self.swapped:
+            snapshot = self.swapped.pop(rid)
+            view = self.resident[rid] if snapshot is None else snapshot.plan_view()
+            self.host_blocks -= (
+                snapshot.num_blocks if snapshot else self.resident[rid].pages * self.geo.num_loops
+            )
+        else:
+            raise PlanError(ErrorCode.UNKNOWN_REQUEST, f"export of unknown request {rid}", rid)
+        if view.cursor is None or view.cursor[1] != 1 or view.finished or view.wavefront:
+            raise PlanError(
+                ErrorCode.BAD_PLAN, f"export of {rid}: not at a token boundary of its decode", rid
+            )
+
+    def _adopt(self, rid: str, ticket: str) -> None:
+        staged = self._staged.get(ticket)
+        if staged is None:
+            raise PlanError(ErrorCode.MISSING_SNAPSHOT, f"adopt of {rid}: nothing staged", rid)
+        if self._is_resident(rid) or rid in self.swapped:
+            raise PlanError(ErrorCode.BAD_PLAN, f"adopt of {rid}: already registered", rid)
+        if self.host_blocks + staged.num_blocks > self.geo.host_snapshot_blocks:
+            raise PlanError(
+                ErrorCode.HOST_BUDGET_EXCEEDED,
+                f"adopt of {rid} needs {staged.num_blocks} host blocks; {self.host_blocks} of "
+                f"{self.geo.host_snapshot_blocks} are in use",
+                rid,
+            )
+        self.host_blocks += staged.num_blocks
+        self.swapped[rid] = staged
 
     def _swap_in(self, rid: str, tables: list[list[int]]) -> None:
         if rid not in self.swapped:

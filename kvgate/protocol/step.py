@@ -35,8 +35,14 @@ decode: the prompt for a fresh request, ``prompt + outputs[:-1]`` for a recomput
     fresh:      [ prompt ...................... ) -> samples output 0 from the last position
     recompute:  [ prompt ........ | outputs[:-1] ) -> next decode feeds outputs[-1]
 
-Executed order inside a step: ``free`` → ``swap_out`` → ``new_requests`` → ``swap_in`` →
-``block_appends`` → prefill rows and decode rows (one forward).
+Executed order inside a step: ``free`` → ``swap_out`` → ``export`` → ``adopt`` →
+``new_requests`` → ``swap_in`` → ``block_appends`` → prefill rows and decode rows (one forward).
+
+Migration (:mod:`kvgate.protocol.migration`): ``export`` moves a request's KV — resident or
+already a host snapshot — out of the executor's accounting into an export area under a one-time
+ticket, served at ``GET /v1/snapshots/{ticket}``; ``adopt`` turns a snapshot staged by
+``POST /v1/snapshots/import`` into a host snapshot of this session (within the host budget),
+which a later ``swap_in`` restores.
 """
 
 from __future__ import annotations
@@ -137,6 +143,21 @@ class SwapIn(_Frozen):
     block_ids: list[list[NonNegativeInt]]
 
 
+class SnapshotExport(_Frozen):
+    """Hold the request's KV for one fetch under ``ticket`` for ``ttl_s``; the request leaves."""
+
+    request_id: str
+    ticket: Annotated[str, Field(min_length=16, max_length=128)]
+    ttl_s: Annotated[float, Field(gt=0.0, le=3600.0)] = 30.0
+
+
+class SnapshotAdopt(_Frozen):
+    """Make the snapshot staged under ``ticket`` this request's host snapshot."""
+
+    request_id: str
+    ticket: Annotated[str, Field(min_length=16, max_length=128)]
+
+
 class PrefillRow(_Frozen):
     """Fill positions ``[token_start, token_end)`` at depths ``depth_first..depth_last``.
 
@@ -201,6 +222,8 @@ class StepPlan(_Frozen):
     step_id: PositiveInt
     free: list[str] = Field(default_factory=list)
     swap_out: list[str] = Field(default_factory=list)
+    export: list[SnapshotExport] = Field(default_factory=list)
+    adopt: list[SnapshotAdopt] = Field(default_factory=list)
     new_requests: list[NewRequest] = Field(default_factory=list)
     swap_in: list[SwapIn] = Field(default_factory=list)
     block_appends: list[BlockAppend] = Field(default_factory=list)
@@ -217,6 +240,8 @@ class StepPlan(_Frozen):
         return not (
             self.free
             or self.swap_out
+            or self.export
+            or self.adopt
             or self.new_requests
             or self.swap_in
             or self.block_appends
@@ -265,6 +290,8 @@ class ExecutorCounters(_Frozen):
     num_requests: NonNegativeInt = 0
     num_snapshots: NonNegativeInt = 0
     host_blocks_used: NonNegativeInt = 0
+    num_exports: NonNegativeInt = 0  # snapshots held for a fetch (outside the host budget)
+    num_staged: NonNegativeInt = 0  # imports fetched and not yet adopted
 
 
 class ErrorCode(StrEnum):
@@ -314,6 +341,9 @@ class ExecutorInfo(_Frozen):
     has_tokenizer: bool = False
     host_bandwidth_bytes_per_s: Annotated[float, Field(gt=0.0)] | None = None
     prefill_token_pass_s: Annotated[float, Field(gt=0.0)] | None = None
+    # Serves and stages KV snapshots (plan ops export/adopt, /v1/snapshots): a drain may move
+    # its requests here with their KV instead of recomputing them.
+    snapshot_migration: bool = False
 
 
 class SessionOpen(_Frozen):

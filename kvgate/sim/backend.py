@@ -9,22 +9,36 @@ real WebSocket protocol.
 
 Fault injection for tests: :meth:`LocalConnector.lose` breaks a backend's open session,
 :meth:`SimBackend.hold` keeps results back until :meth:`SimBackend.release` (a slow executor),
-and ``refuse`` makes new sessions fail to connect.
+and ``refuse`` makes new sessions fail to connect. Migration: a local session imports a
+snapshot from another local backend through the same frames, checks and staging as the
+WebSocket server (:mod:`kvgate.step_server.snapshots`); :meth:`LocalConnector.kill` makes an
+executor vanish with its exports, ``before_fetch`` runs just before each fetch and ``tamper``
+may rewrite a transfer's frames (a corrupted chunk).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.admission_service.executor_client import ConnectFailed, SessionLost, SessionRefused
+from kvgate.protocol import migration
 from kvgate.protocol import step as wire
+from kvgate.protocol.migration import (
+    SnapshotHeader,
+    SnapshotLayout,
+    SnapshotStaged,
+    TransferError,
+    TransferFailure,
+)
 from kvgate.protocol.session import EpochFence
 from kvgate.protocol.tokenizer_files import TokenizerFiles
 from kvgate.sim.executor import SimExecutor
 from kvgate.sim.workload import ExitMode, ModelSection
+from kvgate.step_server.snapshots import MigrationLimits, decode_frames, stage
 
 
 class SimExecutorConfig(BaseModel):
@@ -89,6 +103,23 @@ class SimBackend:
     def reset(self) -> None:
         self.executor.reset()
 
+    # Migration: the step server serves exports and stages imports through these.
+    @property
+    def snapshot_layout(self) -> SnapshotLayout:
+        return self.executor.snapshot_layout
+
+    def take_export(self, ticket: str) -> tuple[SnapshotHeader, bytes] | None:
+        return self.executor.take_export(ticket)
+
+    def drop_export(self, ticket: str) -> None:
+        self.executor.drop_export(ticket)
+
+    def stage_import(self, ticket: str, header: SnapshotHeader, payload: bytes) -> None:
+        self.executor.stage_import(ticket, header, payload)
+
+    def drop_staged(self, ticket: str) -> None:
+        self.executor.drop_staged(ticket)
+
     def execute(self, plan: wire.StepPlan) -> wire.StepResult:
         self.steps += 1
         self.plan_traceparents.append(plan.traceparent)
@@ -118,9 +149,12 @@ class SimBackend:
 class LocalSession:
     """An in-process session: plans run in order on one worker task, as on an executor."""
 
-    def __init__(self, backend: SimBackend, epoch: int) -> None:
+    def __init__(
+        self, backend: SimBackend, epoch: int, connector: LocalConnector | None = None
+    ) -> None:
         self.backend = backend
         self.epoch = epoch
+        self._connector = connector
         self._plans: asyncio.Queue[wire.StepPlan] = asyncio.Queue()
         self._results: asyncio.Queue[wire.StepResult | SessionLost] = asyncio.Queue()
         self._lost: SessionLost | None = None
@@ -164,6 +198,14 @@ class LocalSession:
             self._results.put_nowait(self._lost)
         self._worker.cancel()
 
+    async def import_snapshot(
+        self, source_endpoint: str, ticket: str, request_id: str, timeout_s: float
+    ) -> SnapshotStaged:
+        connector = self._connector
+        if self._lost is not None or connector is None:
+            raise TransferError(TransferFailure.RECEIVER_LOST, "the session is not open")
+        return connector.transfer(source_endpoint, ticket, request_id, self.backend)
+
     async def close(self) -> None:
         self.lose("closed by the admission service")
         if self.backend._current is self:
@@ -178,6 +220,10 @@ class LocalConnector:
         self.backends: dict[str, SimBackend] = dict(backends or {})
         self.refused: set[str] = set()
         self.connects = 0
+        self.limits = MigrationLimits()
+        self.before_fetch: Callable[[str], None] | None = None  # called with the source's name
+        self.tamper: Callable[[list[bytes]], list[bytes]] | None = None
+        self.transfers = 0
 
     def add(self, name: str, config: SimExecutorConfig) -> SimBackend:
         backend = SimBackend(config)
@@ -196,7 +242,7 @@ class LocalConnector:
         if backend._current is not None:
             backend._current.lose(f"session epoch {epoch} replaced this one", fenced=True)
         self.connects += 1
-        session = LocalSession(backend, epoch)
+        session = LocalSession(backend, epoch, self)
         backend._current = session
         return session
 
@@ -206,3 +252,33 @@ class LocalConnector:
         if session is not None:
             session.lose("connection reset (fault injected)")
             self.backends[name]._current = None
+
+    def kill(self, name: str) -> None:
+        """The executor ``name`` dies: its session breaks, it refuses connections, and what it
+        held (requests, snapshots, exports) is gone."""
+        self.lose(name)
+        self.refused.add(name)
+        self.backends[name].reset()
+
+    def transfer(
+        self, source_endpoint: str, ticket: str, request_id: str, receiver: SimBackend
+    ) -> SnapshotStaged:
+        """One snapshot from the backend at ``source_endpoint`` to ``receiver``, framed and
+        checked as on the wire."""
+        name = source_endpoint.rstrip("/").rsplit("/", 1)[-1]
+        if self.before_fetch is not None:
+            self.before_fetch(name)
+        source = self.backends.get(name)
+        if source is None or name in self.refused:
+            raise TransferError(TransferFailure.SENDER_GONE, f"{source_endpoint} is unreachable")
+        taken = source.take_export(ticket)
+        if taken is None:
+            raise TransferError(TransferFailure.NOT_FOUND, "no snapshot under this ticket")
+        frames = list(migration.encode(*taken, self.limits.chunk_bytes))
+        if self.tamper is not None:
+            frames = self.tamper(frames)
+        header, payload = decode_frames(
+            frames, max_bytes=self.limits.max_snapshot_bytes, layout=receiver.snapshot_layout
+        )
+        self.transfers += 1
+        return stage(receiver, ticket, request_id, header, payload)

@@ -19,9 +19,13 @@ position) within ``[min_loops, max_loops]`` — never a function of scheduling.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
+from kvgate.protocol import migration
+from kvgate.protocol.migration import SnapshotHeader, SnapshotLayout
 from kvgate.protocol.plan_check import Geometry, PlanError, PlanValidator, RequestView
 from kvgate.protocol.step import (
     DecodeOutcomes,
@@ -120,6 +124,8 @@ class SimExecutor:
         self._digests: list[int | None] = [None] * num_blocks
         self._requests: dict[str, _SimRequest] = {}
         self._snapshots: dict[str, _Snapshot] = {}
+        self._exports: dict[str, tuple[SnapshotHeader, bytes]] = {}  # ticket -> one fetch
+        self._staged: dict[str, _Snapshot] = {}  # ticket -> fetched, waiting for its adopt
         self._host_used = 0
         self._geometry = Geometry(
             num_blocks=num_blocks,
@@ -143,6 +149,7 @@ class SimExecutor:
             eos_token_id=self.model.eos_token_id,
             max_model_len=MAX_MODEL_LEN,
             kv_bytes_per_block=8 * self.block_size,
+            snapshot_migration=True,
         )
 
     @property
@@ -151,12 +158,77 @@ class SimExecutor:
             num_requests=len(self._requests),
             num_snapshots=len(self._snapshots),
             host_blocks_used=self._host_used,
+            num_exports=len(self._exports),
+            num_staged=len(self._staged),
+        )
+
+    @property
+    def snapshot_layout(self) -> SnapshotLayout:
+        """The simulated model's identity: a snapshot means the same only under the same model."""
+        fingerprint = hashlib.sha256(self.model.model_dump_json().encode()).hexdigest()
+        return SnapshotLayout(
+            model_fingerprint=f"sim:{fingerprint}",
+            block_size=self.block_size,
+            num_planes=self.num_planes,
+            dtype="int64",
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
         )
 
     def reset(self) -> None:
         self._requests.clear()
         self._snapshots.clear()
+        self._exports.clear()
+        self._staged.clear()
         self._host_used = 0
+
+    # --- migration -----------------------------------------------------------------------------
+    def take_export(self, ticket: str) -> tuple[SnapshotHeader, bytes] | None:
+        """The exported snapshot under ``ticket``, once (None: unknown, taken or expired)."""
+        return self._exports.pop(ticket, None)
+
+    def drop_export(self, ticket: str) -> None:
+        self._exports.pop(ticket, None)
+
+    def stage_import(self, ticket: str, header: SnapshotHeader, payload: bytes) -> None:
+        """Keep a fetched snapshot until a plan adopts it; ValueError when it does not fit."""
+        problem = header.layout.mismatch(self.snapshot_layout)
+        if problem is not None:
+            raise ValueError(problem)
+        try:
+            values = json.loads(payload)
+            request = _request_from_state(header.state, self.num_planes)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"unreadable simulated snapshot: {exc}") from exc
+        pages = header.num_pages
+        if len(values) != self.num_planes or any(
+            len(plane) != pages or any(len(page) != self.block_size for page in plane)
+            for plane in values
+        ):
+            raise ValueError("the simulated snapshot's values do not match its page count")
+        self._staged[ticket] = _Snapshot(request, pages, values)
+
+    def drop_staged(self, ticket: str) -> None:
+        self._staged.pop(ticket, None)
+
+    def _export(self, request_id: str, ticket: str) -> None:
+        snapshot = self._snapshots.pop(request_id, None)
+        if snapshot is None:
+            self._swap_out(request_id)
+            snapshot = self._snapshots.pop(request_id)
+        self._host_used -= snapshot.pages * self.num_planes
+        payload = json.dumps(snapshot.values, separators=(",", ":")).encode()
+        state = _state_of(snapshot.request)
+        self._exports[ticket] = (
+            migration.header(self.snapshot_layout, request_id, snapshot.pages, state, payload),
+            payload,
+        )
+
+    def _adopt(self, request_id: str, ticket: str) -> None:
+        snapshot = self._staged.pop(ticket)
+        self._snapshots[request_id] = snapshot
+        self._host_used += snapshot.pages * self.num_planes
 
     # --- the step ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -170,6 +242,10 @@ class SimExecutor:
                 self._host_used -= snapshot.pages * self.num_planes
         for request_id in plan.swap_out:
             self._swap_out(request_id)
+        for export in plan.export:
+            self._export(export.request_id, export.ticket)
+        for adopt in plan.adopt:
+            self._adopt(adopt.request_id, adopt.ticket)
         for new in plan.new_requests:
             self._register(new)
         for swap in plan.swap_in:
@@ -221,7 +297,9 @@ class SimExecutor:
     # --- validation (before any state changes) -------------------------------------------------
     def _validate(self, plan: StepPlan) -> StepError | None:
         try:
-            PlanValidator(self._geometry, self._requests, self._snapshots).validate(plan)
+            PlanValidator(self._geometry, self._requests, self._snapshots, self._staged).validate(
+                plan
+            )
         except PlanError as exc:
             return exc.error
         return None
@@ -423,3 +501,42 @@ class SimExecutor:
         request.cursor_token = token.token_id
         request.depth_done = 0
         return position, depth, token
+
+
+def _state_of(request: _SimRequest) -> dict[str, Any]:
+    """A snapshot's request state as JSON (its tables are the snapshot's pages)."""
+    return {
+        "new": request.new.model_dump(mode="json"),
+        "outputs": request.outputs,
+        "exit_depths": request.exit_depths,
+        "fill_length": request.fill_length,
+        "frontier": request.frontier,
+        "fill_start": request.fill_start,
+        "cursor_position": request.cursor_position,
+        "cursor_token": request.cursor_token,
+        "depth_done": request.depth_done,
+        "filled": request.filled,
+        "finished": request.finished,
+    }
+
+
+def _request_from_state(state: dict[str, Any], num_planes: int) -> _SimRequest:
+    new = NewRequest.model_validate(state["new"])
+    frontier = list(state["frontier"])
+    if len(frontier) != num_planes:
+        raise ValueError(f"{len(frontier)} planes in the state, the model has {num_planes}")
+    return _SimRequest(
+        new=new,
+        rid_hash=text_hash(new.request_id),
+        tables=[[] for _ in range(num_planes)],
+        outputs=[int(t) for t in state["outputs"]],
+        exit_depths=[int(d) for d in state["exit_depths"]],
+        fill_length=int(state["fill_length"]),
+        frontier=frontier,
+        fill_start=state["fill_start"],
+        cursor_position=int(state["cursor_position"]),
+        cursor_token=int(state["cursor_token"]),
+        depth_done=int(state["depth_done"]),
+        filled=bool(state["filled"]),
+        finished=bool(state["finished"]),
+    )

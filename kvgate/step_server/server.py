@@ -6,6 +6,8 @@ GET /readyz      200 once the backend is loaded (weights read, KV cache allocate
 GET /metrics     Prometheus text
 GET /v1/tokenizer  "Authorization: Bearer <token>" required: the model's tokenizer
                  (TokenizerFiles JSON), 404 when the model has none, 503 while loading
+GET /v1/snapshots/{ticket}, POST /v1/snapshots/import
+                 KV snapshot migration (bearer token required): see snapshots.py
 GET /v1/steps    WebSocket, "Authorization: Bearer <token>" required:
                  SessionOpen(epoch) -> SessionAccepted | ProtocolError,
                  then StepPlan* -> StepResult* (in order)
@@ -43,6 +45,7 @@ from kvgate.protocol import step as wire
 from kvgate.protocol.session import EpochFence
 from kvgate.protocol.tokenizer_files import TOKENIZER_PATH, TokenizerFiles
 from kvgate.step_server.metrics import ExecutorMetrics
+from kvgate.step_server.snapshots import MigrationLimits, SnapshotEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,7 @@ class StepServer:
         fence: EpochFence | None = None,
         before_step: Callable[[], Awaitable[None]] | None = None,
         min_step_time_s: float = 0.0,
+        migration: MigrationLimits | None = None,
     ):
         if not token:
             raise ValueError("the executor needs a non-empty bearer token")
@@ -120,6 +124,13 @@ class StepServer:
         self._open_lock = asyncio.Lock()
         self._load_task: asyncio.Task[None] | None = None
         self._fencing: set[asyncio.Task[None]] = set()  # replaced sessions being told so
+        self.snapshots = SnapshotEndpoints(
+            authorized=self._authorized,
+            token=token,
+            worker=self._worker,
+            backend=lambda: self.backend,
+            limits=migration or MigrationLimits(),
+        )
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -128,6 +139,7 @@ class StepServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/steps", self._steps)
         app.router.add_get(TOKENIZER_PATH, self._tokenizer)
+        self.snapshots.add_routes(app)
         app.on_startup.append(self._start_loading)
         app.on_shutdown.append(self._close_session)
         app.on_cleanup.append(self._stop_worker)
@@ -170,6 +182,7 @@ class StepServer:
             await session.ws.close(code=WSCloseCode.GOING_AWAY, message=b"executor shutting down")
 
     async def _stop_worker(self, _app: web.Application) -> None:
+        self.snapshots.close()
         if self._load_task is not None:
             await asyncio.gather(self._load_task, return_exceptions=True)
         self._worker.shutdown(wait=True)
@@ -338,6 +351,8 @@ class StepServer:
                     await self._before_step()
                 began = time.perf_counter()
                 result = await loop.run_in_executor(self._worker, self._execute, session, item)
+                if result is not None and result.error is None:
+                    self.snapshots.after_plan(item)
                 if result is not None:
                     self.metrics.observe(
                         result, len(item.prefill_rows), len(item.decode.request_ids)

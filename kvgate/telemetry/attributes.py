@@ -92,6 +92,14 @@ REQUEST_RESTORE_MODES: Final = "kvgate.request.restore_modes"
 REQUEST_BYPASSES: Final = "kvgate.request.bypasses"
 REQUEST_RECOMPUTED_TOKENS: Final = "kvgate.request.recomputed_tokens"
 REQUEST_EXECUTORS: Final = "kvgate.request.executors"
+# A drain moving a request's KV to another executor: one span event per attempt.
+MIGRATION_EVENT: Final = "kvgate.migration"
+MIGRATION_OUTCOME: Final = "kvgate.migration.outcome"  # migrated, or the fallback's reason
+MIGRATION_SOURCE: Final = "kvgate.migration.source"
+MIGRATION_TARGET: Final = "kvgate.migration.target"
+MIGRATION_DETAIL: Final = "kvgate.migration.detail"
+MIGRATION_BYTES: Final = "kvgate.migration.bytes"
+MIGRATION_SECONDS: Final = "kvgate.migration.seconds"
 
 # ------------------------------------------------------- admission-side step spans
 # The admission service's span around one plan's round trip (kind CLIENT); the executor's

@@ -145,9 +145,12 @@ def make_rig(
     scheduler: SchedulerConfig | None = None,
     token_stream: bool = False,
     tokenizer: TextCodec | None = None,
+    migrate_on_drain: bool = False,
+    connector: Any = None,
     **limits: Any,
 ) -> EngineRig:
-    connector = LocalConnector()
+    """An engine over in-process simulated executors (or over ``connector``)."""
+    connector = connector if connector is not None else LocalConnector()
     sink = RecordingSink()
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -155,7 +158,10 @@ def make_rig(
     settings = EngineSettings(
         scheduler=scheduler or scheduler_config(),
         session=SessionSettings(
-            reconnect_initial_s=0.01, reconnect_max_s=0.05, enable_prefix_caching=True
+            reconnect_initial_s=0.01,
+            reconnect_max_s=0.05,
+            enable_prefix_caching=True,
+            migrate_on_drain=migrate_on_drain,
         ),
         token_stream=token_stream,
         timeline_steps=10_000,

@@ -18,6 +18,7 @@ import pytest
 from kvgate.admission_service.service import AdmissionService
 from kvgate.admission_service.settings import ServiceSettings, load_settings
 from kvgate.local.embedded_broker import EmbeddedBroker
+from kvgate.protocol.admin import ExecutorSpec
 from kvgate.protocol.records import (
     DLQ_CODE_HEADER,
     RejectCode,
@@ -26,7 +27,7 @@ from kvgate.protocol.records import (
 )
 from kvgate.sim.backend import LocalConnector, LocalSession, SimExecutorConfig
 
-from .helpers import request_body, until
+from .helpers import reference_outputs, request_body, until
 from .kafka_helpers import (
     Topics,
     committed_offsets,
@@ -321,3 +322,48 @@ async def test_shutdown_leaves_a_hung_executor_within_the_closing_budget(
     committed = await committed_offsets(broker.bootstrap, topics.group, topics.requests, 2)
     ends = {p: sum(1 for r in answered if r.source.partition == p) for p in range(2)}
     assert committed == ends, "what was answered is still committed"
+
+
+async def test_a_drain_migrates_requests_with_their_kv_through_the_whole_service(
+    broker: EmbeddedBroker,
+) -> None:
+    """Kafka in, a drain with migration (the service default), Kafka out: one answer per
+    request, outputs equal to a run without the drain, the moved requests recompute nothing."""
+    roomy = SimExecutorConfig(num_blocks=128, block_size=4, host_snapshot_blocks=512)
+    local = LocalConnector()
+    local.add("a", roomy)
+    topics = Topics.unique("migrate")
+    bodies = [
+        request_body(f"v{i}", prompt_len=5 + (i * 7) % 13, max_tokens=14 + i % 5) for i in range(6)
+    ]
+    expected = await reference_outputs(bodies, block_size=4)
+    service = await start(settings_for(broker, topics, members=["a"]), local)
+    try:
+        engine = service.engine
+        assert engine is not None
+        local.backends["a"].hold_after(5)
+        await produce(broker.bootstrap, topics.requests, bodies)
+        await until(lambda: local.backends["a"]._held, what="a held mid-decode")
+        local.add("b", roomy)
+        members = [
+            ExecutorSpec(name="a", endpoint="ws://local/a", draining=True),
+            ExecutorSpec(name="b", endpoint="ws://local/b"),
+        ]
+        await engine.set_members(members)
+        await until(lambda: engine.handles["b"].accepts_work, what="b ready")
+        local.backends["a"].release()
+        results = await read_results(
+            broker.bootstrap, topics.results, len(bodies), read_committed=False, settle_s=0.5
+        )
+        assert sorted(r.request_id for r in results) == sorted(expected), "one answer each"
+        assert {r.request_id: r.output_token_ids for r in results} == {
+            rid: tokens for rid, (tokens, _) in expected.items()
+        }
+        metric = service.metrics.registry.get_sample_value
+        migrated = metric("kvgate_admission_migrations_total", {"outcome": "migrated"}) or 0
+        assert migrated >= 1
+        moved = [r for r in results if r.scheduling.executors == ["a", "b"]]
+        assert len(moved) == migrated
+        assert all(r.scheduling.recomputed_tokens == 0 for r in moved)
+    finally:
+        await service.shutdown()

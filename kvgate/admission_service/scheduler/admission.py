@@ -118,7 +118,9 @@ def start(state: SchedulerState, request: Request, plan: StartPlan, builder: Pla
         request.published_pages = len(plan.prefix)
         request.depth_done = 0
         request.on_executor = True
-        if plan.kind == AdmissionKind.RECOMPUTE:
+        if request.kv_tokens_lost:
+            # A recompute restore here, or a request that lost its K/V with the executor it
+            # left (a fresh start elsewhere from its progress).
             lost = min(request.kv_tokens_lost, plan.fill_tokens)
             request.recomputed_tokens += max(0, lost - plan.cached_tokens)
             request.kv_tokens_lost = 0

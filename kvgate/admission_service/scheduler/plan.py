@@ -9,6 +9,8 @@ from kvgate.protocol.step import (
     DecodeRows,
     NewRequest,
     PrefillRow,
+    SnapshotAdopt,
+    SnapshotExport,
     StepPlan,
     SwapIn,
 )
@@ -24,6 +26,8 @@ class PlanBuilder:
         self.num_planes = num_planes
         self.free: list[str] = []
         self.swap_out: list[str] = []
+        self.export: list[SnapshotExport] = []
+        self.adopt: list[SnapshotAdopt] = []
         self.new_requests: list[NewRequest] = []
         self.swap_in: list[SwapIn] = []
         self._appends: dict[str, list[Page]] = {}
@@ -93,6 +97,8 @@ class PlanBuilder:
         return not (
             self.free
             or self.swap_out
+            or self.export
+            or self.adopt
             or self.new_requests
             or self.swap_in
             or self._appends
@@ -116,6 +122,8 @@ class PlanBuilder:
             step_id=self.step_id,
             free=self.free,
             swap_out=self.swap_out,
+            export=self.export,
+            adopt=self.adopt,
             new_requests=self.new_requests,
             swap_in=self.swap_in,
             block_appends=appends,

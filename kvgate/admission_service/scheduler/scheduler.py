@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvgate.admission_service.scheduler import invariants
@@ -37,13 +38,14 @@ from kvgate.admission_service.scheduler.request import Request, RequestSpec, Req
 from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
 from kvgate.protocol.capacity import positions_needed
-from kvgate.protocol.enums import FinishReason
-from kvgate.protocol.step import StepPlan, StepResult
+from kvgate.protocol.enums import FinishReason, RestoreMode
+from kvgate.protocol.step import SnapshotAdopt, SnapshotExport, StepPlan, StepResult
 
 
 @dataclass(frozen=True, slots=True)
 class RequestProgress:
-    """A request lifted out of one scheduler to resume on another by recompute."""
+    """A request lifted out of one scheduler to resume on another: by recompute, or — when
+    ``snapshot_pages`` is set — from its KV exported under a ticket (a migration)."""
 
     spec: RequestSpec
     output_token_ids: tuple[int, ...]
@@ -51,6 +53,16 @@ class RequestProgress:
     arrival_seq: int
     bypasses: int
     preemptions: int
+    kv_tokens: int = 0  # positions whose K/V it had: what a recompute restart rebuilds
+    snapshot_pages: int = 0  # pages per plane of its exported snapshot (0: none exported)
+
+
+@dataclass(frozen=True, slots=True)
+class ImportedSnapshot:
+    """A migrated request's KV staged on this scheduler's executor under ``ticket``."""
+
+    ticket: str
+    num_pages: int
 
 
 class Scheduler:
@@ -88,12 +100,27 @@ class Scheduler:
         *,
         arrival_seq: int | None = None,
         progress: RequestProgress | None = None,
+        snapshot: ImportedSnapshot | None = None,
     ) -> Request:
-        """Queue a request, or raise ``RequestRejected`` if it can never run here."""
+        """Queue a request, or raise ``RequestRejected`` if it can never run here.
+
+        With ``snapshot`` (a migration; ``progress`` required) it waits as a request preempted
+        with a host snapshot: the next plan adopts the staged KV, and admission restores it by
+        swap-in like any other snapshot — or it is rejected when the host budget has no room."""
         state = self.state
         if spec.request_id in state.requests:
             raise RequestRejected(spec.request_id, "a request with this id is already in flight")
         check_feasible(self.state, spec)
+        if snapshot is not None:
+            blocks = snapshot.num_pages * state.num_planes
+            if progress is None or not progress.output_token_ids:
+                raise ValueError("a migrated snapshot comes with the request's progress")
+            if state.host_blocks_used + blocks > state.cache.host_snapshot_blocks:
+                raise RequestRejected(
+                    spec.request_id,
+                    f"no host room for its {blocks} snapshot blocks ({state.host_blocks_used} "
+                    f"of {state.cache.host_snapshot_blocks} in use)",
+                )
         if progress is not None:
             arrival_seq = progress.arrival_seq
         seq = state.next_arrival_seq if arrival_seq is None else arrival_seq
@@ -121,6 +148,16 @@ class Scheduler:
             request.exit_depths = list(progress.exit_depths)
             request.bypasses = progress.bypasses
             request.num_preemptions = progress.preemptions
+            request.kv_tokens_lost = progress.kv_tokens
+        if snapshot is not None:
+            request.kv_tokens_lost = 0
+            request.restore_mode = RestoreMode.SNAPSHOT
+            request.snapshot_pages = snapshot.num_pages
+            request.on_executor = True
+            state.host_blocks_used += snapshot.num_pages * state.num_planes
+            state.pending_adopts.append(
+                SnapshotAdopt.model_construct(request_id=spec.request_id, ticket=snapshot.ticket)
+            )
         request.progress_mark = request.kv_frontier
         state.requests[spec.request_id] = request
         state.waiting.push(request)
@@ -149,13 +186,56 @@ class Scheduler:
         events, self._events = self._events, []
         return events
 
-    def evacuate(self, *, executor_alive: bool) -> list[RequestProgress]:
-        """Lift every request out (executor lost or drained) to resume elsewhere by recompute.
+    def migratable(self) -> list[str]:
+        """Requests whose KV can move to another executor now: at a token boundary of their
+        decode (fill done, no pass of the next token begun, no rows in flight), resident or
+        preempted with a host snapshot; not one whose own adopt is still unsent."""
+        adopting = {a.request_id for a in self.state.pending_adopts}
+        return [
+            request.request_id
+            for request in sorted(self.state.requests.values(), key=lambda r: r.key)
+            if request.on_executor
+            and request.output_token_ids
+            and request.fill is None
+            and request.depth_done == 0
+            and request.inflight_step is None
+            and request.request_id not in adopting
+            and (
+                request.status is RequestStatus.RUNNING
+                or request.restore_mode is RestoreMode.SNAPSHOT
+            )
+        ]
 
-        With a live executor the next plan frees their state there."""
+    def evacuate(
+        self,
+        *,
+        executor_alive: bool,
+        exports: Mapping[str, str] | None = None,
+        export_ttl_s: float = 30.0,
+    ) -> list[RequestProgress]:
+        """Lift every request out (executor lost or drained) to resume elsewhere.
+
+        With a live executor the next plan frees their state there — or, for the requests in
+        ``exports`` (request id -> ticket, from ``migratable()``), exports their KV under the
+        ticket for another executor to fetch; their progress carries ``snapshot_pages``."""
         state = self.state
+        exports = exports if executor_alive and exports else {}
+        adopting = {a.request_id for a in state.pending_adopts}
         lifted: list[RequestProgress] = []
         for request in sorted(state.requests.values(), key=lambda r: r.key):
+            rid = request.request_id
+            exported = rid in exports
+            if exported:
+                pages = (
+                    state.pool.num_pages(rid)
+                    if request.status is RequestStatus.RUNNING
+                    else request.snapshot_pages
+                )
+                state.pending_exports.append(
+                    SnapshotExport.model_construct(
+                        request_id=rid, ticket=exports[rid], ttl_s=export_ttl_s
+                    )
+                )
             lifted.append(
                 RequestProgress(
                     spec=request.spec,
@@ -164,6 +244,8 @@ class Scheduler:
                     arrival_seq=request.arrival_seq,
                     bypasses=request.bypasses,
                     preemptions=request.num_preemptions,
+                    kv_tokens=request.kv_frontier if request.on_executor else 0,
+                    snapshot_pages=pages if exported else 0,
                 )
             )
             if request.status is RequestStatus.RUNNING:
@@ -171,17 +253,25 @@ class Scheduler:
                 state.running.remove(request)
             else:
                 state.waiting.discard(request)
-            if executor_alive and request.on_executor:
-                state.pending_free.append(request.request_id)
+            if executor_alive and request.on_executor and not exported and rid not in adopting:
+                state.pending_free.append(rid)
             request.status = RequestStatus.FINISHED
         state.requests.clear()
         state.host_blocks_used = 0
         state.inflight.clear()
+        state.pending_adopts.clear()
         if not executor_alive:
             state.pending_free.clear()
+            state.pending_exports.clear()
         return lifted
 
     # --- views -------------------------------------------------------------------------------
+    def host_room_for(self, num_pages: int) -> bool:
+        """Whether a snapshot of ``num_pages`` pages per plane fits the host budget now."""
+        state = self.state
+        blocks = num_pages * state.num_planes
+        return state.host_blocks_used + blocks <= state.cache.host_snapshot_blocks
+
     @property
     def num_waiting(self) -> int:
         return len(self.state.waiting)
@@ -192,7 +282,10 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.state.requests) or bool(self.state.pending_free)
+        state = self.state
+        return bool(
+            state.requests or state.pending_free or state.pending_exports or state.pending_adopts
+        )
 
     @property
     def num_inflight(self) -> int:
@@ -225,6 +318,10 @@ class Scheduler:
         builder = PlanBuilder(state.step, state.num_planes)
         builder.free.extend(state.pending_free)
         state.pending_free.clear()
+        builder.export.extend(state.pending_exports)
+        state.pending_exports.clear()
+        builder.adopt.extend(state.pending_adopts)
+        state.pending_adopts.clear()
         self.strategy.plan_step(state, builder)
         self._report(builder)
         if builder.is_empty():
@@ -392,7 +489,11 @@ class Scheduler:
             state.waiting.discard(request)
             state.host_blocks_used -= request.snapshot_pages * state.num_planes
             request.snapshot_pages = 0
-        if request.on_executor:
+        adopts = state.pending_adopts
+        if any(a.request_id == request.request_id for a in adopts):
+            # Never adopted: the staged import expires on the executor by itself.
+            state.pending_adopts = [a for a in adopts if a.request_id != request.request_id]
+        elif request.on_executor:
             state.pending_free.append(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

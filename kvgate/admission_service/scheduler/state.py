@@ -14,7 +14,7 @@ from kvgate.admission_service.scheduler.config import (
 from kvgate.admission_service.scheduler.kv import BlockPool
 from kvgate.admission_service.scheduler.queues import RunningSet, WaitingQueue
 from kvgate.admission_service.scheduler.request import Request, RequestStatus
-from kvgate.protocol.step import StepPlan
+from kvgate.protocol.step import SnapshotAdopt, SnapshotExport, StepPlan
 
 
 @dataclass(slots=True)
@@ -31,6 +31,9 @@ class SchedulerState:
     next_arrival_seq: int = 0
     owed_blocks: int = 0  # sum over running requests of owed_pages × planes
     pending_free: list[str] = field(default_factory=list)
+    # Migration: snapshots to hand out (a drain) and staged imports to take in, next plan.
+    pending_exports: list[SnapshotExport] = field(default_factory=list)
+    pending_adopts: list[SnapshotAdopt] = field(default_factory=list)
     deadlines: list[tuple[float, int, str]] = field(default_factory=list)  # heap
     inflight: dict[int, StepPlan] = field(default_factory=dict)
     prefill_steps_since_decode: int = 0

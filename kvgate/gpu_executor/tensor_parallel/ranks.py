@@ -144,7 +144,9 @@ class TensorParallelExecutor:
 
     @property
     def info(self) -> wire.ExecutorInfo:
-        return self.executor.info
+        # Each rank holds a shard of the KV: snapshots do not leave a tensor-parallel executor
+        # (yet), so drains off it recompute and migrations never pick it as a receiver.
+        return self.executor.info.model_copy(update={"snapshot_migration": False})
 
     @property
     def counters(self) -> wire.ExecutorCounters:
