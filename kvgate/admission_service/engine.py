@@ -459,6 +459,9 @@ class Engine:
         except TransferError as exc:
             outcome, detail = exc.failure.value, exc.message
             log.warning("migrating %s from %s: %s; it resumes by recompute", rid, source.name, exc)
+        except Exception as exc:  # a defect, never a lost request: it resumes by recompute
+            outcome, detail = "error", repr(exc)
+            log.exception("migrating %s from %s failed; it resumes by recompute", rid, source.name)
         finally:
             seconds = self._clock() - began
             self.metrics.migrations.labels(outcome=outcome).inc()

@@ -160,6 +160,18 @@ async def test_a_killed_sender_falls_back_to_recompute() -> None:
     await _fallback(rig, workload(), migration.TransferFailure.SENDER_GONE.value)
 
 
+async def test_a_defect_in_a_transfer_still_loses_no_request() -> None:
+    """Anything a transfer raises that is not a refusal (here a plain RuntimeError from the
+    transport) is counted as ``error`` and the request resumes by recompute."""
+    rig = make_rig(migrate_on_drain=True)
+
+    def broken_transport(name: str) -> None:
+        raise RuntimeError("transport defect")
+
+    rig.connector.before_fetch = broken_transport
+    await _fallback(rig, workload(), "error")
+
+
 async def test_a_corrupted_chunk_falls_back_to_recompute() -> None:
     rig = make_rig(migrate_on_drain=True)
     rig.connector.limits = MigrationLimits(chunk_bytes=64)
