@@ -12,6 +12,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from opentelemetry.sdk.resources import OTELResourceDetector
 
 from kvgate.admission_service.settings import load_settings
 from kvgate.operator.builders import (
@@ -404,3 +405,39 @@ def test_builders_are_pure() -> None:
     first = build_executor_pod(POOL, full, 2)
     first["spec"]["affinity"]["nodeAffinity"]["changed"] = True
     assert "changed" not in build_executor_pod(POOL, full, 2)["spec"]["affinity"]["nodeAffinity"]
+
+
+def _kubelet_env(env: list[dict[str, Any]], pod: str, namespace: str) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: the Downward API fields filled and
+    ``$(VAR)`` expanded from the variables defined earlier in the list (only those)."""
+    fields = {"metadata.name": pod, "metadata.namespace": namespace}
+    values: dict[str, str] = {}
+    for entry in env:
+        if "valueFrom" in entry:
+            values[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+            continue
+        value = entry["value"]
+        for name, known in values.items():
+            value = value.replace(f"$({name})", known)
+        values[entry["name"]] = value
+    return values
+
+
+@pytest.mark.parametrize("component", ["admission", "executor"])
+def test_pods_name_themselves_in_their_telemetry_resource(
+    component: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool_spec = spec(telemetry={"otlpEndpoint": "http://collector:4318", "serviceName": "llm"})
+    if component == "admission":
+        manifest = build_admission_deployment(POOL, pool_spec, image="img", admin_token="t")
+    else:
+        manifest = build_executor_pod(POOL, pool_spec, 0)
+    env = _kubelet_env(container(manifest)["env"], f"{component}-pod-0", POOL.namespace)
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4318"
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.setenv(name, env[name])
+    attributes = OTELResourceDetector().detect().attributes
+    assert attributes["service.name"] == f"llm-{component}"
+    assert attributes["k8s.pod.name"] == f"{component}-pod-0"
+    assert attributes["k8s.namespace.name"] == POOL.namespace
+    assert attributes["kvgate.pool"] == POOL.name
