@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             executor_id=args.executor_id,
             block_size=args.block_size,
             exit_policy=ExitPolicy(args.exit_policy),
+            model_name=str(args.model),
         )
         if not args.no_calibrate:
             executor.calibrate()

@@ -36,6 +36,7 @@ def traced(looped: LoadedModel) -> tuple[Executor, InMemorySpanExporter]:
         block_size=4,
         host_snapshot_blocks=6,
         tracer=provider.get_tracer("test"),
+        model_name="/models/looped-test",
     )
     return executor, exporter
 
@@ -98,6 +99,7 @@ def test_one_span_per_step_with_attributes_and_links(
     assert {link.context.span_id for link in second.links} == {REQ_A.span_id}  # only a ran
     a1 = first.attributes or {}
     assert a1[attr.STEP_ID] == 1
+    assert a1[attr.GEN_AI_REQUEST_MODEL] == "/models/looped-test"
     assert a1[attr.STEP_ROWS] == 2 and a1[attr.STEP_PREFILL_ROWS] == 2
     assert a1[attr.STEP_PREFILL_TOKENS] == 8
     assert a1[attr.STEP_NEW_REQUESTS] == 2 and a1[attr.STEP_RECOMPUTES] == 0
@@ -125,3 +127,4 @@ def test_rejected_plan_span_carries_the_error(
     (span,) = exporter.get_finished_spans()
     assert span.status.status_code is StatusCode.ERROR
     assert (span.attributes or {})[attr.STEP_ERROR_CODE] == "unknown_request"
+    assert (span.attributes or {})[attr.GEN_AI_REQUEST_MODEL] == "/models/looped-test"
