@@ -38,6 +38,7 @@ from kvgate.operator.naming import (
     LABEL_REVISION,
     LABEL_SLOT,
 )
+from kvgate.telemetry.setup import exporter_names
 from tests.operator.cluster import pool_manifest
 from tests.operator.examples import FULL_SPEC
 
@@ -427,13 +428,17 @@ def _kubelet_env(env: list[dict[str, Any]], pod: str, namespace: str) -> dict[st
 def test_pods_name_themselves_in_their_telemetry_resource(
     component: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool_spec = spec(telemetry={"otlpEndpoint": "http://collector:4318", "serviceName": "llm"})
+    endpoint = "http://collector:4317"
+    pool_spec = spec(
+        telemetry={"otlpEndpoint": endpoint, "otlpProtocol": "grpc", "serviceName": "llm"}
+    )
     if component == "admission":
         manifest = build_admission_deployment(POOL, pool_spec, image="img", admin_token="t")
     else:
         manifest = build_executor_pod(POOL, pool_spec, 0)
     env = _kubelet_env(container(manifest)["env"], f"{component}-pod-0", POOL.namespace)
-    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4318"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
     for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
         monkeypatch.setenv(name, env[name])
     attributes = OTELResourceDetector().detect().attributes
@@ -441,3 +446,5 @@ def test_pods_name_themselves_in_their_telemetry_resource(
     assert attributes["k8s.pod.name"] == f"{component}-pod-0"
     assert attributes["k8s.namespace.name"] == POOL.namespace
     assert attributes["kvgate.pool"] == POOL.name
+    # And the kvgate setup reading that environment picks the gRPC exporter.
+    assert exporter_names(env) == ["otlp_proto_grpc"]

@@ -147,9 +147,9 @@ def tmp_volume() -> Manifest:
 
 def telemetry_env(pool: PoolRef, telemetry: TelemetrySpec, component: str) -> list[Manifest]:
     """The OpenTelemetry variables of a pool's pod: its service name (``<serviceName>-<component>``)
-    and resource attributes naming the pod, its namespace (Downward API) and the pool, and the
-    pool's OTLP endpoint. POD_NAME and POD_NAMESPACE come first: the kubelet expands
-    ``$(VAR)`` only from variables defined earlier in the list."""
+    and resource attributes naming the pod, its namespace (Downward API) and the pool; then the
+    pool's OTLP endpoint and protocol, when set. POD_NAME and POD_NAMESPACE come first: the
+    kubelet expands ``$(VAR)`` only from variables defined earlier in the list."""
     env: list[Manifest] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -164,4 +164,6 @@ def telemetry_env(pool: PoolRef, telemetry: TelemetrySpec, component: str) -> li
     ]
     if telemetry.otlp_endpoint is not None:
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": telemetry.otlp_endpoint})
+    if telemetry.otlp_protocol is not None:
+        env.append({"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": telemetry.otlp_protocol.value})
     return env
