@@ -39,12 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configure_telemetry(settings: TelemetrySettings) -> TracerProvider | None:
     """The process's tracer provider: ``OTEL_*`` variables, the settings' OTLP endpoint and
-    service name as defaults, and the JSON-lines spans file when set."""
+    service name as defaults, and the JSON-lines spans file when set. Raises
+    ``TelemetryConfigError`` for an unusable exporter or protocol (entry points print it)."""
     from kvgate.telemetry.spans_file import JsonLinesSpanExporter  # noqa: PLC0415
 
     if settings.otlp_endpoint is not None:
         os.environ.setdefault("OTEL_EXPORTER_OTLP_ENDPOINT", settings.otlp_endpoint)
-    provider = configure_tracing(settings.service_name)  # TelemetryConfigError: the caller's
+    provider = configure_tracing(settings.service_name)
     if provider is not None and settings.spans_file is not None:
         provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(settings.spans_file)))
     return provider
