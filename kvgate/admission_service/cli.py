@@ -27,6 +27,7 @@ from kvgate.admission_service.settings import (
     load_settings,
 )
 from kvgate.admission_service.tokenizer import TokenizerError
+from kvgate.telemetry.setup import TelemetryConfigError, configure_tracing
 
 log = logging.getLogger("kvgate.admission_service")
 
@@ -38,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configure_telemetry(settings: TelemetrySettings) -> TracerProvider | None:
     """The process's tracer provider: ``OTEL_*`` variables, the settings' OTLP endpoint and
-    service name as defaults, and the JSON-lines spans file when set."""
-    from kvgate.telemetry.setup import configure_tracing  # noqa: PLC0415
+    service name as defaults, and the JSON-lines spans file when set. Raises
+    ``TelemetryConfigError`` for an unusable exporter or protocol (entry points print it)."""
     from kvgate.telemetry.spans_file import JsonLinesSpanExporter  # noqa: PLC0415
 
     if settings.otlp_endpoint is not None:
@@ -59,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"kvgate admission-service: invalid settings:\n{exc}", file=sys.stderr)
         return 2
-    provider = configure_telemetry(settings.telemetry)
+    try:
+        provider = configure_telemetry(settings.telemetry)
+    except TelemetryConfigError as exc:
+        print(f"kvgate admission-service: {exc}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_main(settings))
     except (SettingsError, TokenizerError, KafkaSetupError) as exc:

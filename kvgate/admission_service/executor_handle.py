@@ -60,6 +60,7 @@ from kvgate.admission_service.scheduler.scheduler import (
     RequestProgress,
     Scheduler,
 )
+from kvgate.backoff import jittered_delay_s
 from kvgate.protocol import capacity
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
 from kvgate.protocol.enums import FinishReason
@@ -69,6 +70,8 @@ from kvgate.protocol.step import ExecutorCounters, ExecutorInfo, StepPlan, StepR
 
 log = logging.getLogger(__name__)
 
+# After a fence, wait about the longest reconnect delay (a retry count past the cap).
+_FENCED_RETRY = 64
 _IDLE_POLL_S = 0.05  # re-plan while work exists but nothing can be planned (deadlines)
 
 
@@ -316,22 +319,20 @@ class ExecutorHandle:
 
     # ----------------------------------------------------------------------- supervision
     async def _supervise(self) -> None:
-        backoff = self._settings.reconnect_initial_s
         failures = 0
         while not self._stop.is_set():
             try:
                 session = await self._connector(self.spec.endpoint, self._epochs.next())
             except (ConnectFailed, SessionRefused) as exc:
                 self.lost_reason = self.lost_reason or f"not connected: {exc}"
+                delay_s = self._reconnect_delay_s(failures)
                 failures += 1
                 # Loud on the first failure and then every tenth: an executor that is still
                 # loading its model refuses connections for a while.
                 level = logging.WARNING if failures % 10 == 1 else logging.DEBUG
-                log.log(level, "executor %s: %s; retrying in %.1f s", self.name, exc, backoff)
-                await self._pause(backoff)
-                backoff = min(2 * backoff, self._settings.reconnect_max_s)
+                log.log(level, "executor %s: %s; retrying in %.1f s", self.name, exc, delay_s)
+                await self._pause(delay_s)
                 continue
-            backoff = self._settings.reconnect_initial_s
             failures = 0
             failure = await self._serve(session)
             with contextlib.suppress(Exception):
@@ -340,7 +341,13 @@ class ExecutorHandle:
                 return
             if failure.fenced:
                 # A newer admission session owns the executor now: do not fight over it.
-                await self._pause(self._settings.reconnect_max_s)
+                await self._pause(self._reconnect_delay_s(_FENCED_RETRY))
+
+    def _reconnect_delay_s(self, retry: int) -> float:
+        settings = self._settings
+        return jittered_delay_s(
+            retry, initial_s=settings.reconnect_initial_s, max_s=settings.reconnect_max_s
+        )
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -1,7 +1,10 @@
 """Delivery: answers, dead letters and token chunks out; consumed offsets committed.
 
-Commit cycles run every ``commit_interval_ms`` (sooner when much is pending). Per request
-partition ``p`` one cycle does:
+Commit cycles run every ``commit_interval_ms`` (sooner when much is pending). A partition whose
+cycle failed sits out the regular cycles for a jittered delay that doubles from
+``commit_interval_ms`` up to ``COMMIT_RETRY_MAX_S`` (``kvgate/backoff.py``), so an outage is not
+met with a retry storm; its answers wait, nothing is lost. Per request partition ``p`` one cycle
+does:
 
 exactly-once (transactions; one producer per request partition, transactional id
 ``<prefix>.<request topic>.<p>``)::
@@ -68,6 +71,7 @@ from kvgate.admission_service.replies import (
 )
 from kvgate.admission_service.settings import KafkaSettings
 from kvgate.admission_service.validation import RawRecord, Rejection
+from kvgate.backoff import jittered_delay_s
 from kvgate.protocol.records import (
     TRACEPARENT_HEADER,
     DeadLetter,
@@ -80,6 +84,8 @@ from kvgate.protocol.records import (
 log = logging.getLogger(__name__)
 
 _FLUSH_SOON_RECORDS = 1000
+# The longest a failing partition sits out regular commit cycles before trying again.
+COMMIT_RETRY_MAX_S = 2.0
 # Errors no retry can cure: the record itself is refused (by the producer or the broker).
 _REFUSED_RECORD = (MessageSizeTooLargeError, RecordTooLargeError)
 CommitOffsets = Callable[[dict[TopicPartition, OffsetAndMetadata]], Awaitable[None]]
@@ -131,10 +137,13 @@ class _Entry:
 
 @dataclass(slots=True)
 class _Stall:
-    """A partition whose commit cycles fail: since when, and the last error."""
+    """A partition whose commit cycles fail: since when, the last error, how many cycles in a
+    row failed, and when the next regular cycle may try again."""
 
     since: float
     error: str
+    failures: int = 1
+    retry_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,12 +268,24 @@ class Outbox:
 
     def _failed(self, partitions: list[int], error: BaseException) -> None:
         self.metrics.commits.labels(outcome="failed").inc()
+        now = self._clock()
+        interval_s = self.settings.commit_interval_ms / 1000
         for partition in partitions:
             stall = self._stalls.get(partition)
             if stall is None:
-                self._stalls[partition] = _Stall(self._clock(), repr(error))
+                stall = self._stalls[partition] = _Stall(now, repr(error))
             else:
                 stall.error = repr(error)
+                stall.failures += 1
+            stall.retry_at = now + jittered_delay_s(
+                stall.failures - 1,
+                initial_s=interval_s,
+                max_s=max(interval_s, COMMIT_RETRY_MAX_S),
+            )
+
+    def _due(self, partition: int, now: float) -> bool:
+        stall = self._stalls.get(partition)
+        return stall is None or stall.retry_at <= now
 
     def _succeeded(self, partitions: list[int]) -> None:
         for partition in partitions:
@@ -400,8 +421,12 @@ class Outbox:
         self._soon.set()
 
     async def flush(self) -> None:
+        """One regular cycle over the partitions that are due: a partition whose cycles fail
+        waits a jittered, doubling delay first (``_failed``); revocation and shutdown cycles
+        (``close_partition``) always run."""
         async with self._lock:
-            partitions = list(self.ledgers)
+            now = self._clock()
+            partitions = [p for p in self.ledgers if self._due(p, now)]
             if self.transactional:
                 await asyncio.gather(*(self._cycle(p) for p in partitions))
             else:

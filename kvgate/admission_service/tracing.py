@@ -158,6 +158,7 @@ class ServiceTracer:
             attributes={
                 attr.STEP_ID: plan.step_id,
                 attr.EXECUTOR_ID: executor,
+                attr.GEN_AI_REQUEST_MODEL: self._model,
                 attr.STEP_ROWS: report.rows,
                 attr.STEP_DECODE_ROWS: report.decode_rows,
                 attr.STEP_PREFILL_ROWS: len(plan.prefill_rows),

@@ -34,6 +34,7 @@ from kvgate.admission_service.kafka_io import client_options
 from kvgate.admission_service.settings import KafkaSettings, SettingsError, load_settings
 from kvgate.protocol.records import TRACEPARENT_HEADER
 from kvgate.telemetry.context import traceparent_of
+from kvgate.telemetry.setup import TelemetryConfigError
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
@@ -145,7 +146,11 @@ def run_produce(args: argparse.Namespace) -> int:
     from kvgate.admission_service.cli import configure_telemetry  # noqa: PLC0415
     from kvgate.admission_service.settings import TelemetrySettings  # noqa: PLC0415
 
-    provider = configure_telemetry(TelemetrySettings(service_name="kvgate-produce"))
+    try:
+        provider = configure_telemetry(TelemetrySettings(service_name="kvgate-produce"))
+    except TelemetryConfigError as exc:
+        print(f"kvgate produce: {exc}", file=sys.stderr)
+        return 2
     topic = args.topic or kafka.request_topic
     try:
         count = asyncio.run(_produce(kafka, topic, lines, args.connect_timeout_s))

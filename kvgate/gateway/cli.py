@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from kvgate.gateway.server import Gateway
 from kvgate.gateway.settings import GatewaySettings, ModelRoute, load_keys
 from kvgate.protocol import topics
+from kvgate.telemetry.setup import TelemetryConfigError, configure_tracing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +55,16 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, OSError, ValueError) as exc:
         print(f"kvgate gateway: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(settings))
+    try:
+        provider = configure_tracing("kvgate-gateway")
+    except TelemetryConfigError as exc:
+        print(f"kvgate gateway: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(settings))
+    finally:
+        if provider is not None:
+            provider.shutdown()  # flushes batched spans
 
 
 async def _serve(settings: GatewaySettings) -> int:

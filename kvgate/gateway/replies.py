@@ -189,14 +189,23 @@ class ReplyBridge:
         if waiter.users <= 0 and self.waiters.get(request_id) is waiter:
             del self.waiters[request_id]
 
-    async def send(self, topic: str, request: InferenceRequest, *, look_up_in: str | None) -> None:
-        """Produce ``request`` (keyed by its id, so every copy of an id shares a partition);
-        with ``look_up_in`` (a results topic) also watch that partition for its answer."""
+    async def send(
+        self,
+        topic: str,
+        request: InferenceRequest,
+        *,
+        look_up_in: str | None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
+        """Produce ``request`` (keyed by its id, so every copy of an id shares a partition) with
+        ``headers`` (the trace context); with ``look_up_in`` (a results topic) also watch that
+        partition for its answer."""
         assert self._producer is not None
         sent = await self._producer.send_and_wait(
             topic,
             request.model_dump_json(exclude_none=True).encode(),
             key=request.request_id.encode(),
+            headers=headers,
         )
         if look_up_in is not None:
             task = asyncio.create_task(

@@ -18,6 +18,8 @@ from typing import Any
 
 from aiohttp import web
 from aiokafka.errors import KafkaError
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
@@ -42,7 +44,9 @@ from kvgate.gateway.responses import (
     result_error,
 )
 from kvgate.gateway.settings import ApiKey, GatewaySettings, ModelRoute
-from kvgate.protocol.records import InferenceResult
+from kvgate.protocol.records import TRACEPARENT_HEADER, InferenceResult
+from kvgate.telemetry import attributes as attr
+from kvgate.telemetry.context import traceparent_of
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +54,9 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class Gateway:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, tracer: trace.Tracer | None = None) -> None:
         self.settings = settings
+        self._tracer = tracer or trace.get_tracer("kvgate.gateway")
         self.bridge = ReplyBridge(settings)
         self.keys = KeyRing(settings.keys, allow_anonymous=settings.allow_anonymous)
         self.limiter = RateLimiter()
@@ -211,19 +216,48 @@ class Gateway:
                 waiter.resolve(known)
             elif new:
                 look_up = route.result_topic if chosen is not None else None
-                try:
-                    await self.bridge.send(route.request_topic, mapped.request, look_up_in=look_up)
-                except KafkaError as exc:
-                    raise ApiError(
-                        503, f"the request could not be written to Kafka ({exc!r})",
-                        type_="server_error",
-                    ) from None  # fmt: skip
+                await self._send(route, mapped, look_up, chat=chat)
             if mapped.stream:
                 return await self._stream(request, route, mapped, waiter, new, received, labels)
             result = await self._wait(waiter, request_id, new)
             return self._json_answer(result, route, chat=chat, received=received, labels=labels)
         finally:
             self.bridge.leave(request_id, waiter)
+
+    async def _send(
+        self, route: ModelRoute, mapped: Mapped, look_up: str | None, *, chat: bool
+    ) -> None:
+        """Produce the request inside a PRODUCER span whose context travels in the record's
+        ``traceparent`` header: the admission service's request span becomes its child."""
+        operation = attr.GEN_AI_OPERATION_CHAT if chat else attr.GEN_AI_OPERATION_TEXT_COMPLETION
+        with self._tracer.start_as_current_span(
+            f"send {route.request_topic}",
+            kind=SpanKind.PRODUCER,
+            attributes={
+                attr.GEN_AI_OPERATION_NAME: operation,
+                attr.GEN_AI_PROVIDER_NAME: attr.GEN_AI_PROVIDER,
+                attr.GEN_AI_REQUEST_MODEL: route.name,
+                attr.GEN_AI_RESPONSE_ID: mapped.request.request_id,
+                attr.MESSAGING_SYSTEM: "kafka",
+                attr.MESSAGING_DESTINATION: route.request_topic,
+            },
+        ) as span:
+            context = span.get_span_context()
+            headers = (
+                [(TRACEPARENT_HEADER, traceparent_of(context).encode())]
+                if context.is_valid
+                else None
+            )
+            try:
+                await self.bridge.send(
+                    route.request_topic, mapped.request, look_up_in=look_up, headers=headers
+                )
+            except KafkaError as exc:
+                span.set_status(Status(StatusCode.ERROR, repr(exc)))
+                raise ApiError(
+                    503, f"the request could not be written to Kafka ({exc!r})",
+                    type_="server_error",
+                ) from None  # fmt: skip
 
     def _rate_limit(self, key: ApiKey) -> None:
         retry_after = self.limiter.take(key)

@@ -77,7 +77,7 @@ def _default_device() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from kvgate.gpu_executor.executor import Executor  # noqa: PLC0415
-    from kvgate.telemetry.setup import configure_tracing  # noqa: PLC0415
+    from kvgate.telemetry.setup import TelemetryConfigError, configure_tracing  # noqa: PLC0415
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
@@ -100,7 +100,11 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size < 1:
         log.error("--tensor-parallel-size must be >= 1")
         return 2
-    provider = configure_tracing("kvgate-executor")
+    try:
+        provider = configure_tracing("kvgate-executor")
+    except TelemetryConfigError as exc:
+        log.error("%s", exc)
+        return 2
     if args.tensor_parallel_size > 1:
         from kvgate.gpu_executor.tensor_parallel.launch import (  # noqa: PLC0415
             run_tensor_parallel,
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             executor_id=args.executor_id,
             block_size=args.block_size,
             exit_policy=ExitPolicy(args.exit_policy),
+            model_name=str(args.model),
         )
         if not args.no_calibrate:
             executor.calibrate()

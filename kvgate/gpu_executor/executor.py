@@ -64,6 +64,7 @@ class Executor:
         exit_policy: ExitPolicy | None = None,
         tracer: trace.Tracer | None = None,
         profile_tokens: int = PROFILE_TOKENS,
+        model_name: str | None = None,
     ):
         loaded = (
             model
@@ -95,6 +96,11 @@ class Executor:
         self.exit_policy = exit_policy or ExitPolicy.GATE
         self._runner = StepRunner(self.model, self.cache, self.exit_policy, config.eos_token_id)
         self._tracer = tracer or trace.get_tracer(__name__)
+        # gen_ai.request.model of the step spans: what the model is called where it is served
+        # (the executor CLI passes its --model, as the operator names it to the admission service).
+        self._model_attributes = (
+            {} if model_name is None else {attr.GEN_AI_REQUEST_MODEL: model_name}
+        )
         self._requests: dict[str, RequestState] = {}
         self._snapshots: dict[str, Snapshot] = {}
         self._exports: dict[str, tuple[migration.SnapshotHeader, bytes]] = {}  # ticket -> fetch
@@ -246,7 +252,7 @@ class Executor:
             attr.STEP_SPAN,
             context=context_from_traceparent(plan.traceparent),
             links=self._links(plan) if error is None else [],
-            attributes=plan_attributes(plan, self.info),
+            attributes=plan_attributes(plan, self.info) | self._model_attributes,
         ) as span:
             if error is None:
                 try:

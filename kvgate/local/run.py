@@ -19,6 +19,7 @@ from kvgate.gateway.server import Gateway
 from kvgate.gpu_executor.packaged import require_packaged_gguf
 from kvgate.local.stack import LocalStack, StackOptions, local_gateway_settings
 from kvgate.protocol import topics
+from kvgate.telemetry.setup import TelemetryConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,9 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    provider = configure_telemetry(
-        TelemetrySettings(service_name="kvgate-run", spans_file=args.out_dir / "spans.jsonl")
-    )
+    try:
+        provider = configure_telemetry(
+            TelemetrySettings(service_name="kvgate-run", spans_file=args.out_dir / "spans.jsonl")
+        )
+    except TelemetryConfigError as exc:
+        print(f"kvgate run: {exc}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_serve(args))
     except (RuntimeError, FileNotFoundError) as exc:

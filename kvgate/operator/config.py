@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,7 @@ import kopf
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvgate.backoff import Uniform, jittered_delay_s
 from kvgate.operator.admin import DEFAULT_URL_TEMPLATE, check_url_template
 from kvgate.operator.naming import KOPF_FINALIZER, KOPF_PREFIX, LABEL_POOL, MANAGED_BY
 from kvgate.operator.tokens import TokenKey
@@ -63,9 +65,13 @@ class OperatorConfig(BaseSettings):
         check_url_template(value)
         return value
 
-    def retry_delay_s(self, retry: int) -> float:
-        """Backoff after the ``retry``-th consecutive failure (0-based)."""
-        return float(min(self.max_backoff_s, self.poll_interval_s * 2 ** min(retry, 16)))
+    def retry_delay_s(self, retry: int, uniform: Uniform = random.uniform) -> float:
+        """Backoff after the ``retry``-th consecutive failure (0-based), jittered
+        (``kvgate/backoff.py``): poll_interval_s doubled per failure, capped at max_backoff_s."""
+        initial_s = min(self.poll_interval_s, self.max_backoff_s)
+        return jittered_delay_s(
+            retry, initial_s=initial_s, max_s=self.max_backoff_s, uniform=uniform
+        )
 
 
 def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

@@ -47,6 +47,13 @@ class PullPolicy(StrEnum):
     NEVER = "Never"
 
 
+class OtlpProtocol(StrEnum):
+    """``OTEL_EXPORTER_OTLP_PROTOCOL`` of the pool's pods (kvgate/telemetry/setup.py)."""
+
+    GRPC = "grpc"
+    HTTP_PROTOBUF = "http/protobuf"
+
+
 class TolerationOperator(StrEnum):
     EXISTS = "Exists"
     EQUAL = "Equal"
@@ -287,6 +294,7 @@ class KafkaSpec(_Spec):
 
 class TelemetrySpec(_Spec):
     otlp_endpoint: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    otlp_protocol: OtlpProtocol | None = None  # unset: the pods' default, OTLP/HTTP
     service_name: Annotated[str, Field(min_length=1, max_length=128)] = "kvgate"
 
 

@@ -61,6 +61,7 @@ KV_REQUESTS: Final = "kvgate.kv.requests"
 # semantic conventions ask, continuing the producer's trace context from the Kafka headers.
 GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
 GEN_AI_OPERATION_TEXT_COMPLETION: Final = "text_completion"
+GEN_AI_OPERATION_CHAT: Final = "chat"
 GEN_AI_PROVIDER_NAME: Final = "gen_ai.provider.name"
 GEN_AI_PROVIDER: Final = "kvgate"
 GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"

@@ -51,7 +51,10 @@ def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) ->
     completed = [s for s in requests if s["attributes"]["kvgate.request.status"] == "completed"]
     assert len(completed) == 13
     from_kafka = [s for s in completed if s["parent_span_id"] in producers]
-    assert len(from_kafka) == 12
+    # The 12 from `kvgate produce`'s spans and the gateway's one, from its own PRODUCER span.
+    assert len(from_kafka) == 13
+    [gateway_send] = [p for p in producers.values() if "gen_ai.request.model" in p["attributes"]]
+    assert gateway_send["attributes"]["gen_ai.operation.name"] == "text_completion"  # --tiny
     for span in from_kafka:
         # Each request span continues its producer's trace (traceparent in the Kafka headers).
         assert span["parent_span_id"] in producers

@@ -18,7 +18,7 @@ from kvgate.admission_service.dead_letters import dead_letter_copy, record_bytes
 from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import PartitionLedger, decode_metadata
-from kvgate.admission_service.outbox import Outbox
+from kvgate.admission_service.outbox import COMMIT_RETRY_MAX_S, Outbox
 from kvgate.admission_service.settings import KafkaSettings
 from kvgate.admission_service.validation import RawRecord, Rejection
 from kvgate.protocol.records import (
@@ -99,8 +99,25 @@ def result(request_id: str, offset: int, partition: int = 0) -> InferenceResult:
     )
 
 
+class Clock:
+    """The outbox's clock, moved by the test: retries wait out their backoff on it."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def past_any_backoff(self) -> None:
+        self.now_s += COMMIT_RETRY_MAX_S
+
+
 def outbox(
-    producer: ScriptedProducer, *, transactional: bool, commits: list[Any] | None = None
+    producer: ScriptedProducer,
+    *,
+    transactional: bool,
+    commits: list[Any] | None = None,
+    clock: Clock | None = None,
 ) -> Outbox:
     async def commit_offsets(offsets: dict[Any, OffsetAndMetadata]) -> None:
         assert commits is not None
@@ -114,6 +131,7 @@ def outbox(
         commit_offsets=commit_offsets,
         metrics=ServiceMetrics(),
         dead_letter_max_bytes=DLQ_ROOM,
+        clock=clock or Clock(),
     )
 
 
@@ -136,7 +154,8 @@ async def test_one_transaction_carries_answers_and_the_commit_point() -> None:
 
 async def test_a_failed_commit_aborts_and_keeps_the_answers_for_the_next_cycle() -> None:
     producer = ScriptedProducer(fail_commit=True)
-    box = outbox(producer, transactional=True)
+    clock = Clock()
+    box = outbox(producer, transactional=True, clock=clock)
     await box.open_partition(0)
     box.track(0, PartitionLedger(committed=0))
     box.read(0, 0)
@@ -145,9 +164,44 @@ async def test_a_failed_commit_aborts_and_keeps_the_answers_for_the_next_cycle()
     assert [k for k, _ in producer.log][-1] == "abort"
     producer.fail_commit = False
     producer.log.clear()
+    clock.past_any_backoff()
     await box.flush()
     assert [k for k, _ in producer.log] == ["begin", "send", "offsets", "commit"]
     assert dict(producer.log)["offsets"][0][0] == 1
+
+
+async def test_a_failing_partition_backs_off_with_jitter_and_closing_still_tries() -> None:
+    producer = ScriptedProducer(fail_commit=True)
+    clock = Clock()
+    box = outbox(producer, transactional=True, clock=clock)
+    await box.open_partition(0)
+    box.track(0, PartitionLedger(committed=0))
+    box.read(0, 0)
+    box.answer(result("a", 0), None)
+    interval_s = KAFKA.commit_interval_ms / 1000
+    tick_s = interval_s / 8
+
+    def attempts() -> int:
+        return [kind for kind, _ in producer.log].count("begin")
+
+    await box.flush()
+    waits: list[float] = []
+    for failures in range(1, 8):
+        assert attempts() == failures
+        began = clock.now_s
+        # Regular cycles skip the partition until its delay has passed, then one tries again.
+        while attempts() == failures:
+            clock.now_s += tick_s
+            await box.flush()
+        waits.append(clock.now_s - began)
+    ceilings = [min(COMMIT_RETRY_MAX_S, interval_s * 2**n) for n in range(7)]
+    for wait, ceiling in zip(waits, ceilings, strict=True):
+        assert ceiling / 2 <= wait <= ceiling + tick_s, (waits, ceilings)
+    # Revocation does not wait out the backoff: its last cycle runs at once.
+    producer.fail_commit = False
+    before = attempts()
+    assert await box.close_partition(0) == 0
+    assert attempts() == before + 1 and producer.log[-2] == ("commit", None)
 
 
 async def test_a_cancelled_cycle_leaves_no_open_transaction_and_loses_nothing() -> None:
@@ -199,7 +253,8 @@ async def test_plain_mode_sends_again_only_what_failed() -> None:
         refuse=lambda topic, _v: KafkaTimeoutError() if topic == "dlq" and failing["on"] else None
     )
     commits: list[Any] = []
-    box = outbox(producer, transactional=False, commits=commits)
+    clock = Clock()
+    box = outbox(producer, transactional=False, commits=commits, clock=clock)
     await box.start()
     box.track(0, PartitionLedger(committed=0))
     for offset in range(3):
@@ -212,6 +267,7 @@ async def test_plain_mode_sends_again_only_what_failed() -> None:
     assert [s.partition for s in box.stuck()] == [0] and box.num_unwritten == 1
     failing["on"] = False
     producer.log.clear()
+    clock.past_any_backoff()
     await box.flush()
     assert [v for k, v in producer.log if k == "send"] == [("dlq", None, b"k")], "only the retry"
     assert commits[-1][0][0] == 3 and not box.stuck() and box.num_unwritten == 0
@@ -228,7 +284,8 @@ async def test_a_refused_dead_letter_is_shrunk_and_the_partition_moves_on(
         )
     )
     commits: list[Any] = []
-    box = outbox(producer, transactional=transactional, commits=commits)
+    clock = Clock()
+    box = outbox(producer, transactional=transactional, commits=commits, clock=clock)
     await box.start()
     await box.open_partition(0)
     box.track(0, PartitionLedger(committed=0))
@@ -237,6 +294,7 @@ async def test_a_refused_dead_letter_is_shrunk_and_the_partition_moves_on(
     box.reject(*bad_record(0, original), None)
     for _ in range(3):
         await box.flush()
+        clock.past_any_backoff()
     sent = [v for k, v in producer.log if k == "send"]
     assert sent.count(("dlq", None, b"k")) == 1, "written once, in its smallest form"
     committed = [v for k, v in producer.log if k == "offsets"] if transactional else commits

@@ -44,6 +44,22 @@ def test_the_gateway_accepts_its_command_line(rendered_sets: dict[str, Rendered]
     assert mounts["/models"] == "tokenizer"
 
 
+def test_the_gateway_names_itself_in_its_telemetry(rendered_sets: dict[str, Rendered]) -> None:
+    env = _container(rendered_set(rendered_sets, "gateway"))["env"]
+    names = [e["name"] for e in env]
+    # The kubelet expands $(VAR) only from variables defined earlier in the list.
+    assert names.index("POD_NAMESPACE") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    assert names.index("POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    values = {e["name"]: e.get("value") for e in env}
+    assert values["OTEL_SERVICE_NAME"] == "kvgate-gateway"
+    assert values["OTEL_RESOURCE_ATTRIBUTES"] == (
+        "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"
+    )
+    assert values["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+    [namespace] = [e for e in env if e["name"] == "POD_NAMESPACE"]
+    assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+
+
 def test_replicas_keep_their_names_and_the_autoscaler_owns_the_count(
     rendered_sets: dict[str, Rendered],
 ) -> None:

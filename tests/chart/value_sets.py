@@ -136,6 +136,7 @@ VALUE_SETS: tuple[ValueSet, ...] = (
             "gateway": {
                 "enabled": True,
                 "model": "smollm2",
+                "telemetry": {"otlpEndpoint": "http://otel-collector.observability:4317"},
                 "apiKeys": {"secretName": "gateway-keys"},
                 "tokenizer": {
                     "volume": {"persistentVolumeClaim": {"claimName": "models"}},

@@ -1,11 +1,11 @@
 """One ``kvgate.step`` span per step, with the step's attributes, a child of the plan's trace
-context and linked to the spans of the requests it served; SDK setup from ``OTEL_*``."""
+context and linked to the spans of the requests it served (SDK setup: tests/telemetry)."""
 
 from __future__ import annotations
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
 
@@ -14,7 +14,6 @@ from kvgate.gpu_executor.loader import LoadedModel
 from kvgate.protocol import step as wire
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import span_context_from_traceparent, traceparent_of
-from kvgate.telemetry.setup import build_tracer_provider
 
 
 def _context(trace_id: int, span_id: int) -> SpanContext:
@@ -37,6 +36,7 @@ def traced(looped: LoadedModel) -> tuple[Executor, InMemorySpanExporter]:
         block_size=4,
         host_snapshot_blocks=6,
         tracer=provider.get_tracer("test"),
+        model_name="/models/looped-test",
     )
     return executor, exporter
 
@@ -99,6 +99,7 @@ def test_one_span_per_step_with_attributes_and_links(
     assert {link.context.span_id for link in second.links} == {REQ_A.span_id}  # only a ran
     a1 = first.attributes or {}
     assert a1[attr.STEP_ID] == 1
+    assert a1[attr.GEN_AI_REQUEST_MODEL] == "/models/looped-test"
     assert a1[attr.STEP_ROWS] == 2 and a1[attr.STEP_PREFILL_ROWS] == 2
     assert a1[attr.STEP_PREFILL_TOKENS] == 8
     assert a1[attr.STEP_NEW_REQUESTS] == 2 and a1[attr.STEP_RECOMPUTES] == 0
@@ -126,22 +127,4 @@ def test_rejected_plan_span_carries_the_error(
     (span,) = exporter.get_finished_spans()
     assert span.status.status_code is StatusCode.ERROR
     assert (span.attributes or {})[attr.STEP_ERROR_CODE] == "unknown_request"
-
-
-def test_sdk_setup_reads_the_environment() -> None:
-    assert build_tracer_provider("svc", {"OTEL_SDK_DISABLED": "true"}) is None
-    quiet = build_tracer_provider("svc", {})
-    assert quiet is not None
-    assert quiet.resource.attributes["service.name"] == "svc"
-    assert not quiet._active_span_processor._span_processors  # no endpoint: no exporter
-    named = build_tracer_provider("svc", {"OTEL_SERVICE_NAME": "executor-7"})
-    assert named is not None and named.resource.attributes["service.name"] == "executor-7"
-    exporting = build_tracer_provider(
-        "svc", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
-    )
-    assert exporting is not None
-    (processor,) = exporting._active_span_processor._span_processors
-    assert isinstance(processor, BatchSpanProcessor)
-    exporting.shutdown()
-    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER='zipkin'"):
-        build_tracer_provider("svc", {"OTEL_TRACES_EXPORTER": "zipkin"})
+    assert (span.attributes or {})[attr.GEN_AI_REQUEST_MODEL] == "/models/looped-test"

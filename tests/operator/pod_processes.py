@@ -200,7 +200,16 @@ class AdmissionPod:
                     file.write_text(_relocate(file.read_text(), mounts))
             assert container["command"] == ["kvgate"], container["command"]
             argv = [_relocate(arg, mounts) for arg in container["args"]]
-            env = {e["name"]: _relocate(e["value"], mounts) for e in container.get("env", [])}
+            fields = {"metadata.name": "admission-0", "metadata.namespace": NAMESPACE}
+            env: dict[str, str] = {}
+            for entry in container.get("env", []):  # as the kubelet fills them, in order
+                if "valueFrom" in entry:
+                    env[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+                    continue
+                value = _relocate(entry["value"], mounts)
+                for name, known in env.items():
+                    value = value.replace(f"$({name})", known)
+                env[entry["name"]] = value
             port = free_port()
             env |= {"KVGATE_ADMIN__HOST": "127.0.0.1", "KVGATE_ADMIN__PORT": str(port)}
             env |= self.overrides

@@ -12,6 +12,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from opentelemetry.sdk.resources import OTELResourceDetector
 
 from kvgate.admission_service.settings import load_settings
 from kvgate.operator.builders import (
@@ -37,6 +38,7 @@ from kvgate.operator.naming import (
     LABEL_REVISION,
     LABEL_SLOT,
 )
+from kvgate.telemetry.setup import exporter_names
 from tests.operator.cluster import pool_manifest
 from tests.operator.examples import FULL_SPEC
 
@@ -404,3 +406,45 @@ def test_builders_are_pure() -> None:
     first = build_executor_pod(POOL, full, 2)
     first["spec"]["affinity"]["nodeAffinity"]["changed"] = True
     assert "changed" not in build_executor_pod(POOL, full, 2)["spec"]["affinity"]["nodeAffinity"]
+
+
+def _kubelet_env(env: list[dict[str, Any]], pod: str, namespace: str) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: the Downward API fields filled and
+    ``$(VAR)`` expanded from the variables defined earlier in the list (only those)."""
+    fields = {"metadata.name": pod, "metadata.namespace": namespace}
+    values: dict[str, str] = {}
+    for entry in env:
+        if "valueFrom" in entry:
+            values[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+            continue
+        value = entry["value"]
+        for name, known in values.items():
+            value = value.replace(f"$({name})", known)
+        values[entry["name"]] = value
+    return values
+
+
+@pytest.mark.parametrize("component", ["admission", "executor"])
+def test_pods_name_themselves_in_their_telemetry_resource(
+    component: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint = "http://collector:4317"
+    pool_spec = spec(
+        telemetry={"otlpEndpoint": endpoint, "otlpProtocol": "grpc", "serviceName": "llm"}
+    )
+    if component == "admission":
+        manifest = build_admission_deployment(POOL, pool_spec, image="img", admin_token="t")
+    else:
+        manifest = build_executor_pod(POOL, pool_spec, 0)
+    env = _kubelet_env(container(manifest)["env"], f"{component}-pod-0", POOL.namespace)
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.setenv(name, env[name])
+    attributes = OTELResourceDetector().detect().attributes
+    assert attributes["service.name"] == f"llm-{component}"
+    assert attributes["k8s.pod.name"] == f"{component}-pod-0"
+    assert attributes["k8s.namespace.name"] == POOL.namespace
+    assert attributes["kvgate.pool"] == POOL.name
+    # And the kvgate setup reading that environment picks the gRPC exporter.
+    assert exporter_names(env) == ["otlp_proto_grpc"]

@@ -172,6 +172,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("admission replicas", {"admission": {"replicas": 2}}, "greater than the maximum of 1"),
     ("drain timeout", {"drainTimeoutSeconds": 0}, "less than the minimum of 1"),
     ("otlp", {"telemetry": {"otlpEndpoint": "collector:4318"}}, "does not match"),
+    ("otlp-protocol", {"telemetry": {"otlpProtocol": "http/json"}}, "is not one of"),
 ]
 
 

@@ -226,7 +226,10 @@ def test_operator_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("KVGATE_OPERATOR_MAX_BACKOFF_S", "30")
     config = OperatorConfig()
     assert config.admin_url_template == "http://{pool}-admission.{namespace}.svc:8080"
-    assert [config.retry_delay_s(n) for n in range(6)] == [2, 4, 8, 16, 30, 30]
+    ceilings = [config.retry_delay_s(n, uniform=lambda low, high: high) for n in range(6)]
+    assert ceilings == [2, 4, 8, 16, 30, 30]
+    floors = [config.retry_delay_s(n, uniform=lambda low, high: low) for n in range(6)]
+    assert floors == [1, 2, 4, 8, 15, 15]
 
 
 @pytest.mark.parametrize(

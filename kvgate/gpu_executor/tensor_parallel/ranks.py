@@ -125,6 +125,7 @@ def build_rank_executor(spec: RankSpec, parallel: TensorParallel) -> Executor:
         executor_id=spec.executor_id,
         block_size=spec.block_size,
         exit_policy=spec.exit_policy,
+        model_name=str(spec.model),  # as the single-process executor names it (its --model)
     )
 
 

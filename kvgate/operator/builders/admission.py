@@ -25,6 +25,7 @@ from kvgate.operator.builders.common import (
     secret_volume,
     selector_labels,
     spec_hash,
+    telemetry_env,
     tmp_volume,
 )
 from kvgate.operator.models import ExecutorPoolSpec, KafkaSpec
@@ -175,11 +176,9 @@ def build_admission_deployment(
     volumes, mounts = _volumes(pool, spec)
     admission = spec.admission
     env: list[Manifest] = [
+        *telemetry_env(pool, spec.telemetry, COMPONENT_ADMISSION),
         {"name": "HOME", "value": "/tmp"},
-        {"name": "OTEL_SERVICE_NAME", "value": f"{spec.telemetry.service_name}-admission"},
     ]
-    if spec.telemetry.otlp_endpoint is not None:
-        env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.telemetry.otlp_endpoint})
     container: Manifest = {
         "name": CONTAINER,
         "image": image,

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kvgate.operator.models import ResourceRequirements
+from kvgate.operator.models import ResourceRequirements, TelemetrySpec
 from kvgate.operator.naming import (
     ANNOTATION_SPEC_HASH,
     API_VERSION,
@@ -143,3 +143,27 @@ def tmp_volume() -> Manifest:
     # The root filesystem is read-only; /tmp (and HOME, pointed at it) is the one writable
     # place, for library caches such as Triton's compiled kernels.
     return {"name": "tmp", "emptyDir": {}}
+
+
+def telemetry_env(pool: PoolRef, telemetry: TelemetrySpec, component: str) -> list[Manifest]:
+    """The OpenTelemetry variables of a pool's pod: its service name (``<serviceName>-<component>``)
+    and resource attributes naming the pod, its namespace (Downward API) and the pool; then the
+    pool's OTLP endpoint and protocol, when set. POD_NAME and POD_NAMESPACE come first: the
+    kubelet expands ``$(VAR)`` only from variables defined earlier in the list."""
+    env: list[Manifest] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "OTEL_SERVICE_NAME", "value": f"{telemetry.service_name}-{component}"},
+        {
+            "name": "OTEL_RESOURCE_ATTRIBUTES",
+            "value": (
+                "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),"
+                f"kvgate.pool={pool.name}"
+            ),
+        },
+    ]
+    if telemetry.otlp_endpoint is not None:
+        env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": telemetry.otlp_endpoint})
+    if telemetry.otlp_protocol is not None:
+        env.append({"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": telemetry.otlp_protocol.value})
+    return env

@@ -22,6 +22,7 @@ from kvgate.operator.builders.common import (
     secret_volume,
     selector_labels,
     spec_hash,
+    telemetry_env,
     tmp_volume,
 )
 from kvgate.operator.models import GPU_RESOURCE, ExecutorPoolSpec, ModelSpec
@@ -111,20 +112,9 @@ def _model_volume(model: ModelSpec) -> tuple[list[Manifest], list[Manifest]]:
 
 def _env(pool: PoolRef, spec: ExecutorPoolSpec) -> list[Manifest]:
     env: list[Manifest] = [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        *telemetry_env(pool, spec.telemetry, COMPONENT_EXECUTOR),
         {"name": "HOME", "value": "/tmp"},
-        {"name": "OTEL_SERVICE_NAME", "value": f"{spec.telemetry.service_name}-executor"},
-        {
-            "name": "OTEL_RESOURCE_ATTRIBUTES",
-            "value": (
-                "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),"
-                f"kvgate.pool={pool.name}"
-            ),
-        },
     ]
-    if spec.telemetry.otlp_endpoint is not None:
-        env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.telemetry.otlp_endpoint})
     return env + _nccl_env(spec)
 
 
