@@ -60,7 +60,9 @@ class Kubelet:
             if "phase" not in (pod.get("status") or {}) and pod["metadata"]["name"] not in self.held
         ]
 
-    async def set_status(self, name: str, *, phase: str, ready: bool, ip: str | None) -> None:
+    async def set_status(self, name: str, *, phase: str, ready: bool, ip: str | None) -> bool:
+        """Write a pod's status; False when the pod was deleted meanwhile (a real kubelet
+        sees that too, when a scale-down removes a pod that is still starting)."""
         status: dict[str, Any] = {
             "phase": phase,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
@@ -69,7 +71,10 @@ class Kubelet:
             status["podIP"] = ip
         path = f"/api/v1/namespaces/{NAMESPACE}/pods/{name}/status"
         async with self.api.patch(path, json={"status": status}, headers=MERGE) as response:
+            if response.status == 404:
+                return False
             assert response.status == 200, await response.text()
+        return True
 
     async def start_pod(self, name: str) -> str:
         self._next_ip += 1

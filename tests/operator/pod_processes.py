@@ -286,15 +286,22 @@ class ProcessKubelet(Kubelet):
         else:
             argv = ["sim-executor", "--host", ip, "--port", str(EXECUTOR_PORT)]
             argv += ["--executor-id", name, "--token-file", str(token_file), *self.executor_args]
+        uid = pod["metadata"]["uid"]
         child = await ChildProcess.spawn(name, argv, self.log_dir, {})
-        self.executors[name] = (pod["metadata"]["uid"], child)
+        self.executors[name] = (uid, child)
         try:
             await child.wait_http(f"http://{ip}:{EXECUTOR_PORT}/readyz", within_s=60)
         except AssertionError as error:
             self.failures.append(str(error))
-            await self.set_status(name, phase="Failed", ready=False, ip=ip)
-            return ip
-        await self.set_status(name, phase="Running", ready=True, ip=ip)
+            ready = False
+        else:
+            ready = True
+        # Deleted (and perhaps re-created under its name) while it started: not this pod's
+        # status to write; the loop stops the process as gone and starts the new pod.
+        live = self.api.get("v1/pods", NAMESPACE, name)
+        if live is not None and live["metadata"]["uid"] == uid:
+            phase = "Running" if ready else "Failed"
+            await self.set_status(name, phase=phase, ready=ready, ip=ip)
         return ip
 
     async def _run(self) -> None:
