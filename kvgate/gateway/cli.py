@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", type=Path, help="YAML keys file (docs/gateway.md)")
     parser.add_argument("--allow-anonymous", action="store_true", help="no API key needed")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--listen-backlog", type=int, default=2048, help="connections queued before accept"
+    )
 
 
 def settings_from(args: argparse.Namespace) -> GatewaySettings:
@@ -44,6 +47,7 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
         health_port=args.health_port, open_health=args.open_health, replica_id=args.replica_id,
         abort_topic=args.abort_topic, models=[route], keys=load_keys(args.api_keys_file),
         allow_anonymous=args.allow_anonymous, request_timeout_s=args.request_timeout_s,
+        listen_backlog=args.listen_backlog,
     )  # fmt: skip
 
 

@@ -108,7 +108,7 @@ class Gateway:
         # handler_cancellation: a client that disconnects cancels its handler (-> abort).
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.settings.host, port)
+        site = web.TCPSite(runner, self.settings.host, port, backlog=self.settings.listen_backlog)
         await site.start()
         self._runners.append(runner)
         server = site._server

@@ -93,6 +93,10 @@ class GatewaySettings(_Strict):
     keys: list[ApiKey] = Field(default_factory=list)
     allow_anonymous: bool = False  # no key needed (local use); anonymous gets priority 0
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    # Connections the kernel queues before the gateway accepts them: a burst of clients that
+    # connect at once must not find a full queue (its connections reset). The kernel caps it at
+    # net.core.somaxconn.
+    listen_backlog: Annotated[int, Field(ge=1, le=65535)] = 2048
     default_max_tokens: Annotated[int, Field(ge=1)] = 256  # chat, when the body sets none
     answer_cache_size: Annotated[int, Field(ge=0)] = 10_000
     reply_retention_ms: Annotated[int, Field(ge=60_000)] = 3_600_000

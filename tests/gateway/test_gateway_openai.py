@@ -405,9 +405,7 @@ async def test_retried_id_gets_the_same_answer_after_a_restart_and_elsewhere(
         other.stop()
 
 
-@pytest.mark.parametrize(
-    "count", [pytest.param(60, id="60"), pytest.param(1000, id="1000", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("count", [60, 1000])
 async def test_many_concurrent_streams(gateway: GatewayProcess, count: int) -> None:
     limits = {"max_connections": count}
     import httpx2  # the transport of the openai client: allow one connection per stream
