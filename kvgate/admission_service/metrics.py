@@ -141,9 +141,10 @@ class _StateCollector(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "kvgate") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._model = model_name
         self.received = Counter("kvgate_admission_requests_received", "records read", registry=r)
         self.results = Counter(
             "kvgate_admission_results", "results produced", ["status"], registry=r
@@ -210,8 +211,9 @@ class ServiceMetrics:
             registry=r,
         )
 
-        # Request latencies and token counts, by priority class (see _priority_label).
-        by_priority = ["priority"]
+        # Request latencies and token counts, by served model (one per service: the name that
+        # clients and spans use, telemetry.model_name) and priority class (_priority_label).
+        by_priority = ["model", "priority"]
         self.queue_time = Histogram(
             "kvgate_admission_request_queue_time_seconds",
             "read from Kafka to first admitted to an executor",
@@ -245,20 +247,20 @@ class ServiceMetrics:
     def observe_result(self, priority: int, result: InferenceResult) -> None:
         """Latencies and token counts of one answered request (rejections included in the
         end-to-end latency only: they never queued)."""
-        label = self._priority_label(priority)
+        labels = (self._model, self._priority_label(priority))
         timings = result.timings
-        self.end_to_end.labels(label, result.status.value).observe(timings.end_to_end_s)
+        self.end_to_end.labels(*labels, result.status.value).observe(timings.end_to_end_s)
         if timings.queued_s is not None:
-            self.queue_time.labels(label).observe(timings.queued_s)
+            self.queue_time.labels(*labels).observe(timings.queued_s)
         ttft = timings.time_to_first_token_s
         if ttft is not None:
-            self.time_to_first_token.labels(label).observe(ttft)
+            self.time_to_first_token.labels(*labels).observe(ttft)
             after_first = result.usage.completion_tokens - 1
             if after_first > 0:
                 per_token = max(timings.end_to_end_s - ttft, 0.0) / after_first
-                self.time_per_output_token.labels(label).observe(per_token)
-        self.prompt_tokens.labels(label).inc(result.usage.prompt_tokens)
-        self.generation_tokens.labels(label).inc(result.usage.completion_tokens)
+                self.time_per_output_token.labels(*labels).observe(per_token)
+        self.prompt_tokens.labels(*labels).inc(result.usage.prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(result.usage.completion_tokens)
 
     def _priority_label(self, priority: int) -> str:
         """The first PRIORITY_CLASSES distinct priorities seen get their own label, later

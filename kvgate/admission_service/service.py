@@ -73,7 +73,7 @@ class AdmissionService:
         timeline_steps: int = 0,
     ) -> None:
         self.settings = settings
-        self.metrics = ServiceMetrics()
+        self.metrics = ServiceMetrics(settings.telemetry.model_name)
         self.tokenizer: TextCodec | None = None
         if settings.limits.tokenizer_file is not None:
             self.tokenizer = load_tokenizer(settings.limits.tokenizer_file)

@@ -24,7 +24,7 @@ def result(ttft: float | None, e2e: float, tokens: int) -> InferenceResult:
 
 
 def test_priorities_past_the_class_limit_share_one_label() -> None:
-    metrics = ServiceMetrics()
+    metrics = ServiceMetrics("SmolLM2-135M-Instruct")
     for priority in range(PRIORITY_CLASSES + 5):
         metrics.observe_result(priority, result(0.5, 1.5, 3))
     metrics.observe_result(3, result(0.5, 1.5, 3))  # an early class keeps its own label
@@ -36,8 +36,9 @@ def test_priorities_past_the_class_limit_share_one_label() -> None:
     }
     assert labels == {str(p) for p in range(PRIORITY_CLASSES)} | {"other"}
     value = metrics.registry.get_sample_value
-    assert value("kvgate_admission_generation_tokens_total", {"priority": "other"}) == 15
-    assert value("kvgate_admission_generation_tokens_total", {"priority": "3"}) == 6
+    model = {"model": "SmolLM2-135M-Instruct"}
+    assert value("kvgate_admission_generation_tokens_total", {**model, "priority": "other"}) == 15
+    assert value("kvgate_admission_generation_tokens_total", {**model, "priority": "3"}) == 6
 
 
 def test_inter_token_latency_is_the_mean_gap_after_the_first_token() -> None:
@@ -46,7 +47,7 @@ def test_inter_token_latency_is_the_mean_gap_after_the_first_token() -> None:
     metrics.observe_result(0, result(0.5, 0.5, 1))  # one token: no gap
     metrics.observe_result(0, result(None, 0.2, 0))  # never produced a token
     value = metrics.registry.get_sample_value
-    label = {"priority": "0"}
+    label = {"model": "kvgate", "priority": "0"}
     assert value("kvgate_admission_time_per_output_token_seconds_count", label) == 1
     assert value("kvgate_admission_time_per_output_token_seconds_sum", label) == 0.5
     assert value("kvgate_admission_time_to_first_token_seconds_count", label) == 2

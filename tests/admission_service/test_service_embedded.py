@@ -160,7 +160,7 @@ async def test_mixed_workload_with_bad_input_and_token_stream(
         metric = service.metrics.registry.get_sample_value
         for p in (0, 1, 2):
             mine = [r for r in completed if priority[r.request_id] == p]
-            label = {"priority": str(p)}
+            label = {"model": service.settings.telemetry.model_name, "priority": str(p)}
             tokens = sum(r.usage.completion_tokens for r in mine)
             assert metric("kvgate_admission_generation_tokens_total", label) == tokens
             prompt = sum(r.usage.prompt_tokens for r in mine)
