@@ -18,6 +18,7 @@ may rewrite a transfer's frames (a corrupted chunk).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Callable
 from typing import Annotated
@@ -73,6 +74,37 @@ class SimExecutorConfig(BaseModel):
             host_snapshot_blocks=self.host_snapshot_blocks,
             executor_id=self.executor_id,
         )
+
+
+def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The command-line options of a :class:`SimExecutorConfig` (model and cache geometry), for
+    every command that runs a simulated executor."""
+    defaults = SimExecutorConfig()
+    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--host-snapshot-blocks", type=int, default=0)
+    parser.add_argument("--loops", type=int, default=defaults.loops)
+    parser.add_argument("--min-loops", type=int, default=defaults.min_loops)
+    parser.add_argument("--exit", choices=[m.value for m in ExitMode], default=defaults.exit.value)
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    parser.add_argument("--eos-token-id", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def config_from_arguments(args: argparse.Namespace, **fields: str) -> SimExecutorConfig:
+    """The config :func:`add_config_arguments` options describe (raises ValidationError)."""
+    return SimExecutorConfig(
+        loops=args.loops,
+        min_loops=args.min_loops,
+        exit=ExitMode(args.exit),
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        eos_token_id=args.eos_token_id,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        host_snapshot_blocks=args.host_snapshot_blocks,
+        **fields,
+    )
 
 
 class SimBackend:

@@ -19,11 +19,10 @@ from pydantic import ValidationError
 from kvgate.admission_service.settings import KafkaSettings, SettingsError, load_settings
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
 from kvgate.protocol import topics
-from kvgate.sim.backend import SimExecutorConfig
+from kvgate.sim.backend import SimExecutorConfig, add_config_arguments, config_from_arguments
 from kvgate.sim.replay import build_workload, load_pool_settings, run_replay
 from kvgate.sim.replay_log import parse_position, read_window_sync
 from kvgate.sim.replay_spans import first_divergence, load_recorded_steps
-from kvgate.sim.workload import ExitMode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,19 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--no-check", action="store_true", help="skip per-step invariant checks")
-    defaults = SimExecutorConfig()
-    executor = parser.add_argument_group("the simulated executor (the pool's cache geometry)")
-    executor.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
-    executor.add_argument("--block-size", type=int, default=defaults.block_size)
-    executor.add_argument("--host-snapshot-blocks", type=int, default=0)
-    executor.add_argument("--loops", type=int, default=defaults.loops)
-    executor.add_argument("--min-loops", type=int, default=defaults.min_loops)
-    executor.add_argument(
-        "--exit", choices=[m.value for m in ExitMode], default=defaults.exit.value
+    add_config_arguments(
+        parser.add_argument_group("the simulated executor (the pool's cache geometry)")
     )
-    executor.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    executor.add_argument("--eos-token-id", type=int, default=None)
-    executor.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,16 +147,6 @@ def _kafka_settings(config: Path | None, bootstrap: str) -> KafkaSettings:
 
 def _executor(args: argparse.Namespace) -> SimExecutorConfig:
     try:
-        return SimExecutorConfig(
-            loops=args.loops,
-            min_loops=args.min_loops,
-            exit=ExitMode(args.exit),
-            vocab_size=args.vocab_size,
-            seed=args.seed,
-            eos_token_id=args.eos_token_id,
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            host_snapshot_blocks=args.host_snapshot_blocks,
-        )
+        return config_from_arguments(args)
     except ValidationError as exc:
         raise ValueError(f"invalid simulated executor: {exc}") from None

@@ -19,8 +19,12 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kvgate.protocol.tokenizer_files import TokenizerFiles
-from kvgate.sim.backend import SimBackend, SimExecutorConfig
-from kvgate.sim.workload import ExitMode
+from kvgate.sim.backend import (
+    SimBackend,
+    SimExecutorConfig,
+    add_config_arguments,
+    config_from_arguments,
+)
 from kvgate.step_server.server import TOKEN_ENV, StepServer, read_token, serve
 
 log = logging.getLogger("kvgate.sim_executor")
@@ -52,15 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--executor-id", default=defaults.executor_id)
     parser.add_argument("--token-file", type=Path, help=f"bearer token file (else ${TOKEN_ENV})")
-    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--host-snapshot-blocks", type=int, default=0)
-    parser.add_argument("--loops", type=int, default=defaults.loops)
-    parser.add_argument("--min-loops", type=int, default=defaults.min_loops)
-    parser.add_argument("--exit", choices=[m.value for m in ExitMode], default=defaults.exit.value)
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    parser.add_argument("--eos-token-id", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    add_config_arguments(parser)
     parser.add_argument("--step-time-ms", type=float, default=0.0)
     parser.add_argument(
         "--tokenizer",
@@ -77,18 +73,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     try:
-        config = SimExecutorConfig(
-            executor_id=args.executor_id,
-            loops=args.loops,
-            min_loops=args.min_loops,
-            exit=ExitMode(args.exit),
-            vocab_size=args.vocab_size,
-            seed=args.seed,
-            eos_token_id=args.eos_token_id,
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            host_snapshot_blocks=args.host_snapshot_blocks,
-        )
+        config = config_from_arguments(args, executor_id=args.executor_id)
     except ValidationError as exc:
         log.error("invalid simulated executor: %s", exc)
         return 2
