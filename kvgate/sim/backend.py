@@ -58,8 +58,9 @@ class SimExecutorConfig(BaseModel):
     block_size: Annotated[int, Field(ge=1, le=1024)] = 16
     host_snapshot_blocks: Annotated[int, Field(ge=0)] = 0
 
-    def build(self) -> SimExecutor:
-        model = ModelSection(
+    def model(self) -> ModelSection:
+        """The simulated model this executor runs, as a workload file names it."""
+        return ModelSection(
             loops=self.loops,
             min_loops=self.min_loops,
             exit=self.exit,
@@ -67,8 +68,10 @@ class SimExecutorConfig(BaseModel):
             seed=self.seed,
             eos_token_id=self.eos_token_id,
         )
+
+    def build(self) -> SimExecutor:
         return SimExecutor(
-            model,
+            self.model(),
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             host_snapshot_blocks=self.host_snapshot_blocks,

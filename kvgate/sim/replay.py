@@ -46,7 +46,7 @@ from kvgate.protocol.step import StepPlan
 from kvgate.sim.backend import SimExecutorConfig
 from kvgate.sim.report import SimReport
 from kvgate.sim.simulate import simulate
-from kvgate.sim.workload import CacheSection, ModelSection, Workload, WorkloadRequest
+from kvgate.sim.workload import CacheSection, Workload, WorkloadRequest
 
 
 class PoolSettingsError(ValueError):
@@ -202,14 +202,7 @@ def _workload_request(accepted: Accepted, *, arrival_step: int) -> WorkloadReque
 
 def _empty_workload(pool: PoolSettings, executor: SimExecutorConfig, max_steps: int) -> Workload:
     return Workload(
-        model=ModelSection(
-            loops=executor.loops,
-            min_loops=executor.min_loops,
-            exit=executor.exit,
-            vocab_size=executor.vocab_size,
-            seed=executor.seed,
-            eos_token_id=executor.eos_token_id,
-        ),
+        model=executor.model(),
         cache=CacheSection(
             num_blocks=executor.num_blocks,
             block_size=executor.block_size,
