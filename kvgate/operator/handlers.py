@@ -58,8 +58,8 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.login()
-def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
-    return default_login(settings)()
+async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
+    return await default_login(settings)()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

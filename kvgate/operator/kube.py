@@ -1,8 +1,11 @@
 """Every Kubernetes API call the operator makes itself (kopf makes its own for watching,
 handler bookkeeping and events). A thin asynchronous client over aiohttp.
 
-Credentials come from the same login kopf uses (in-cluster service account, else kubeconfig);
-a 401 triggers one fresh login and one retry, so rotated service-account tokens are picked up.
+Credentials come from the same login kopf uses for its watches (:func:`default_login`): the
+in-cluster service account, else the kubeconfig as ``kubernetes_asyncio`` reads it (tokens,
+token files, client certificates, exec plugins such as cloud providers' token helpers, and auth
+providers). A 401 triggers one fresh login and one retry, so rotated service-account tokens and
+expired exec-plugin credentials are replaced.
 
 Errors: ``TransientApiError`` for what a retry can fix (connection failures, timeouts, 429,
 5xx); ``ApiError`` for the rest, with the API server's reason and message. 404 on read and
@@ -13,13 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import quote
 
 import aiohttp
 import kopf
+from kubernetes_asyncio import client as kube_client
+from kubernetes_asyncio import config as kube_config
 
 from kvgate.operator.naming import GROUP, PLURAL, VERSION
 
@@ -64,15 +70,54 @@ class TransientApiError(ApiError):
     """The request may succeed if repeated later."""
 
 
-Login = Callable[[], kopf.ConnectionInfo | None]
+Login = Callable[[], Awaitable[kopf.ConnectionInfo | None]]
+_DEFAULT_KUBECONFIG: Final = "~/.kube/config"
 
 
 def default_login(settings: kopf.OperatorSettings) -> Login:
-    """The service account inside a cluster, else the kubeconfig (``KUBECONFIG``)."""
+    """The service account inside a cluster, else the kubeconfig (``KUBECONFIG``, read at each
+    login, or ``~/.kube/config``), both read by ``kubernetes_asyncio``'s loaders: tokens, token
+    files, client certificates, auth providers, and exec plugins (run at every login). The
+    kubeconfig is never written back. Raises ``kopf.LoginError`` with both reasons when
+    neither gives credentials."""
 
-    def login() -> kopf.ConnectionInfo | None:
-        return kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-            settings=settings
+    home_kubeconfig = os.path.expanduser(_DEFAULT_KUBECONFIG)
+
+    async def login() -> kopf.ConnectionInfo:
+        configuration = kube_client.Configuration()
+        try:
+            kube_config.load_incluster_config(  # type: ignore[no-untyped-call]
+                client_configuration=configuration
+            )
+        except kube_config.ConfigException as not_in_cluster:
+            path = os.environ.get("KUBECONFIG") or home_kubeconfig
+            try:
+                await kube_config.load_kube_config(
+                    config_file=path, client_configuration=configuration, persist_config=False
+                )
+            except (kube_config.ConfigException, OSError) as error:
+                raise kopf.LoginError(
+                    f"no Kubernetes credentials: not in a cluster ({not_in_cluster}); "
+                    f"kubeconfig {path}: {error}"
+                ) from error
+        if not configuration.host:
+            raise kopf.LoginError("the Kubernetes credentials name no API server")
+        # A bearer token (also a refreshed service-account or exec-plugin one) comes with its
+        # scheme, e.g. "Bearer abc".
+        header = await configuration.get_api_key_with_prefix("BearerToken")
+        scheme, _, token = (header or "").rpartition(" ")
+        return kopf.ConnectionInfo(
+            server=configuration.host,
+            ca_path=configuration.ssl_ca_cert,
+            insecure=not configuration.verify_ssl,
+            username=configuration.username or None,
+            password=configuration.password or None,
+            scheme=scheme or None,
+            token=token or None,
+            certificate_path=configuration.cert_file,
+            private_key_path=configuration.key_file,
+            proxy_url=configuration.proxy,
+            trust_env=settings.networking.trust_env,
         )
 
     return login
@@ -96,7 +141,10 @@ class KubeApi:
         async with self._lock:
             if self._session is not None and self._session is not stale:
                 return self._session
-            info = self._login()
+            try:
+                info = await self._login()
+            except kopf.LoginError as error:
+                raise ApiError(401, "LoginFailed", str(error)) from error
             if info is None:
                 raise ApiError(401, "NoCredentials", "no service account and no kubeconfig")
             if self._session is not None:

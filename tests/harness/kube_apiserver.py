@@ -307,8 +307,31 @@ class KubeApiServer:
         except json.JSONDecodeError:
             return status, text
 
-    def kubeconfig(self, path: Path, *, token: str, namespace: str = "default") -> Path:
-        """Write a kubeconfig for this server with ``token``; returns ``path``."""
+    def kubeconfig(
+        self,
+        path: Path,
+        *,
+        token: str | None = None,
+        exec_plugin: list[str] | None = None,
+        namespace: str = "default",
+    ) -> Path:
+        """Write a kubeconfig for this server with ``token``, or with an exec credential plugin
+        (``exec_plugin``: the command and its arguments, client.authentication.k8s.io/v1);
+        returns ``path``."""
+        if (token is None) == (exec_plugin is None):
+            raise HarnessError("a kubeconfig needs exactly one of token and exec_plugin")
+        user: dict[str, Any] = (
+            {"token": token}
+            if exec_plugin is None
+            else {
+                "exec": {
+                    "apiVersion": "client.authentication.k8s.io/v1",
+                    "command": exec_plugin[0],
+                    "args": exec_plugin[1:],
+                    "interactiveMode": "Never",
+                }
+            }
+        )
         config: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Config",
@@ -321,7 +344,7 @@ class KubeApiServer:
                     },
                 }
             ],
-            "users": [{"name": "user", "user": {"token": token}}],
+            "users": [{"name": "user", "user": user}],
             "contexts": [
                 {
                     "name": "test",

@@ -17,15 +17,19 @@ import asyncio
 import base64
 import itertools
 import re
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import kopf
 import pytest
 import yaml
 from kopf.testing import KopfRunner
 
+from kvgate.operator.kube import PODS as PODS_RESOURCE
+from kvgate.operator.kube import ApiError, KubeApi, default_login
 from kvgate.operator.naming import ADMIN_TOKEN_KEY, admin_token_secret_name
 from kvgate.protocol.admin import QueueLoad
 from tests.chart.helm import Helm
@@ -359,6 +363,73 @@ def test_operator_account_is_bound_by_the_chart_role(apiserver: KubeApiServer) -
     for method, path in denied:
         status, answer = apiserver.request(method, path, token=token)
         assert status == 403, (method, path, answer)
+
+
+# A kubeconfig exec credential plugin, as cloud providers ship them (a token helper the
+# kubeconfig names): the n-th run prints tokens[n] as an ExecCredential, or fails as a helper
+# that is not signed in does; every run is counted in the file named first.
+_EXEC_PLUGIN = """
+import json, os, pathlib, sys
+calls, tokens = pathlib.Path(sys.argv[1]), sys.argv[2:]
+info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
+assert info["kind"] == "ExecCredential", info
+n = len(calls.read_text().splitlines()) if calls.exists() else 0
+with calls.open("a") as log:
+    log.write(f"{n}\\n")
+if n >= len(tokens) or tokens[n] == "fail":
+    print("credential helper: not signed in", file=sys.stderr)
+    sys.exit(3)
+status = {"token": tokens[n]}
+print(json.dumps({"apiVersion": info["apiVersion"], "kind": "ExecCredential", "status": status}))
+"""
+
+
+def _exec_plugin_kubeconfig(
+    apiserver: KubeApiServer, tmp_path: Path, tokens: list[str]
+) -> tuple[Path, Path]:
+    """(kubeconfig, file counting the plugin's runs)"""
+    plugin = tmp_path / "credential-helper.py"
+    plugin.write_text(_EXEC_PLUGIN)
+    calls = tmp_path / "plugin-calls"
+    kubeconfig = apiserver.kubeconfig(
+        tmp_path / "kubeconfig",
+        exec_plugin=[sys.executable, str(plugin), str(calls), *tokens],
+        namespace=NAMESPACE,
+    )
+    return kubeconfig, calls
+
+
+async def test_operator_logs_in_through_a_kubeconfig_exec_plugin(
+    apiserver: KubeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator's client runs the kubeconfig's exec plugin; a credential the server refuses
+    (an expired one) means one fresh login, which runs the plugin again."""
+    kubeconfig, calls = _exec_plugin_kubeconfig(
+        apiserver, tmp_path, ["expired-token", apiserver.operator_token]
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    kube = KubeApi(default_login(kopf.OperatorSettings()), timeout_s=10)
+    try:
+        assert await kube.list(PODS_RESOURCE, NAMESPACE, {}) == []
+    finally:
+        await kube.close()
+    assert calls.read_text().split() == ["0", "1"]
+
+
+async def test_a_failing_exec_plugin_is_a_clear_login_error(
+    apiserver: KubeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kubeconfig, _ = _exec_plugin_kubeconfig(apiserver, tmp_path, ["fail"])
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    kube = KubeApi(default_login(kopf.OperatorSettings()), timeout_s=10)
+    try:
+        with pytest.raises(ApiError) as failed:
+            await kube.list(PODS_RESOURCE, NAMESPACE, {})
+    finally:
+        await kube.close()
+    assert failed.value.status == 401 and failed.value.reason == "LoginFailed"
+    assert "returned 3" in failed.value.message, failed.value.message
+    assert "not signed in" in failed.value.message, failed.value.message
 
 
 async def test_pool_gets_owned_children_and_status_subresource(

@@ -38,7 +38,7 @@ def _client(api: KubeEmulator, tokens: list[str]) -> KubeApi:
     logins = iter(tokens)
     last = [tokens[-1]]
 
-    def login() -> kopf.ConnectionInfo:
+    async def login() -> kopf.ConnectionInfo:
         token = next(logins, last[0])
         return kopf.ConnectionInfo(server=str(api.url), scheme="Bearer", token=token)
 
@@ -101,9 +101,11 @@ async def test_errors_are_classified(api: KubeEmulator) -> None:
         assert forbidden.value.status == 403
     finally:
         await kube.close()
-    unreachable = KubeApi(
-        lambda: kopf.ConnectionInfo(server=f"http://127.0.0.1:{_free_port()}"), timeout_s=5
-    )
+
+    async def login() -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=f"http://127.0.0.1:{_free_port()}")
+
+    unreachable = KubeApi(login, timeout_s=5)
     try:
         with pytest.raises(TransientApiError):
             await unreachable.get(PODS, "default", "x")

@@ -56,7 +56,11 @@ async def harness(
     config = OperatorConfig(
         admin_url_template=admin_api.url, admission_image="registry.example/adm:1"
     )
-    kube_api = KubeApi(lambda: kopf.ConnectionInfo(server=str(kube.url)), timeout_s=5)
+
+    async def login() -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=str(kube.url))
+
+    kube_api = KubeApi(login, timeout_s=5)
     async with aiohttp.ClientSession() as session:
         events = Events()
         try:
