@@ -41,6 +41,9 @@ def kube(pytestconfig: pytest.Config) -> Iterator[KubeCluster]:
     reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
     with kube_cluster(progress_to(reporter, "kube cluster")) as cluster:
         yield cluster
+        # Every test's traffic included: nothing of the cluster's left by an outside link.
+        leaked = {rule: count for rule, count in cluster.egress_packets().items() if count}
+        assert not leaked, f"cluster packets left the machine: {leaked}"
 
 
 @dataclass(frozen=True)
