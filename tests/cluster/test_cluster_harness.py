@@ -4,6 +4,8 @@ answer from the host, working cluster DNS, and no packet that left the machine."
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import time
 
 import pytest
@@ -13,12 +15,15 @@ from tests.harness.kube_cluster import (
     CLUSTER_DOMAIN,
     DNS_SERVICE_IP,
     FAKE_GPUS,
+    SERVICE_CIDR,
     KubeCluster,
     dns_query_a,
     http_get,
 )
 
 pytestmark = pytest.mark.cluster
+LEAK_LINK = "kvgate-leak"
+SINK_NETNS = "kvgate-sink"
 
 
 def _wait_for(condition, what: str, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
@@ -109,3 +114,31 @@ def test_no_packet_left_the_machine(kube: KubeCluster) -> None:
     counts = kube.egress_packets()
     assert counts, "the egress counters are missing"
     assert all(value == 0 for value in counts.values()), counts
+
+
+def test_the_egress_counters_count_a_packet_on_another_link(kube: KubeCluster) -> None:
+    """The guard itself: a packet for a Service address routed out by a link that is not the
+    cluster's is counted. That link is a veth into a network namespace of its own with no
+    routes and no forwarding, where the packet ends: nothing leaves. Counters are read as zero
+    first and zeroed after, so no real leak is hidden."""
+    assert not any(kube.egress_packets().values()), kube.egress_packets()
+    target = "10.96.255.254"
+    subprocess.run(["ip", "netns", "add", SINK_NETNS], check=True)
+    try:
+        subprocess.run(
+            ["ip", "link", "add", LEAK_LINK, "type", "veth", "peer", "name", "sink",
+             "netns", SINK_NETNS],
+            check=True,
+        )  # fmt: skip
+        subprocess.run(["ip", "netns", "exec", SINK_NETNS, "ip", "link", "set", "sink", "up"],
+                       check=True)  # fmt: skip
+        subprocess.run(["ip", "link", "set", LEAK_LINK, "up"], check=True)
+        subprocess.run(["ip", "route", "add", f"{target}/32", "dev", LEAK_LINK], check=True)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.sendto(b"counted, then dropped", (target, 9))
+        counts = kube.egress_packets()
+        assert counts[f"dst {SERVICE_CIDR}"] == 1, counts
+    finally:
+        subprocess.run(["ip", "link", "del", LEAK_LINK], check=False)
+        subprocess.run(["ip", "netns", "del", SINK_NETNS], check=False)
+        kube.zero_egress_counters()

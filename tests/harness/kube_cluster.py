@@ -632,6 +632,10 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             counts[key] = int(fields[0])
         return counts
 
+    def zero_egress_counters(self) -> None:
+        """Zero the egress counters (after a test that made them count on purpose)."""
+        _run(["iptables", "-w", "-Z", EGRESS_CHAIN])
+
     def namespace_routes(self) -> str:
         """``ip route show`` inside the cluster's network namespace."""
         return _ns("ip", "route", "show")
