@@ -4,6 +4,8 @@
 ``kube.kubectl(...)``, ``kube.api(method, path, body)``, ``kube.import_image_tar(tar)``,
 ``kube.import_docker_image(docker_host, reference)``, ``kube.node_ip`` (the bridge address,
 which is also the apiserver's). Pod and Service addresses are reachable from the test process.
+``cluster_helm`` runs helm against it, ``cluster_images`` builds kvgate's images and imports
+them (``images.py``), ``kafka_bootstrap`` runs Kafka in a pod (``kafka.yaml``).
 The whole tier is skipped, with the reason, only where it cannot run: no root or no Go.
 """
 

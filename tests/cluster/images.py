@@ -23,9 +23,13 @@ from tests.images.base import ensure_debian_base
 from tests.images.conftest import build_image
 
 SIM_EXECUTOR_DIR = Path(__file__).with_name("sim_executor")
+CPU_EXECUTOR_DIR = Path(__file__).with_name("cpu_executor")
 ADMISSION = "kvgate-test-admission:latest"
 OPERATOR = "kvgate-test-operator:latest"
 EXECUTOR_REPOSITORY = "kvgate-test-cluster-executor"
+#: ``docker/executor.Dockerfile`` on the local base, and the same with the CPU shim on top.
+EXECUTOR = "kvgate-test-executor:latest"
+CPU_EXECUTOR = "kvgate-test-cpu-executor:latest"
 
 
 @dataclass(frozen=True)
@@ -75,3 +79,24 @@ def build_and_import(
         progress(f"importing {reference} into the cluster")
         kube.import_docker_image(docker_host, reference)
     return ClusterImages(admission, operator, EXECUTOR_REPOSITORY, kafka)
+
+
+def build_cpu_executor(client: docker.DockerClient, progress: Progress) -> str:
+    """The real executor image (torch, the packaged SmolLM2) with ``cpu_executor/``'s shim,
+    which runs the operator's ``kvgate executor ... --device cuda`` on the CPU."""
+    base = ensure_debian_base(client, cache_root(), progress)
+    executor = build_image(client, "executor.Dockerfile", EXECUTOR, base, progress).reference
+    progress(f"building {CPU_EXECUTOR} from {executor}")
+    with tempfile.TemporaryDirectory(dir=cache_root()) as context:
+        for name in ("Dockerfile", "kvgate"):
+            shutil.copy2(CPU_EXECUTOR_DIR / name, Path(context) / name)
+        client.images.build(
+            path=context,
+            tag=CPU_EXECUTOR,
+            buildargs={"BASE_IMAGE": executor},
+            pull=False,
+            rm=True,
+            forcerm=True,
+            network_mode="host",
+        )
+    return CPU_EXECUTOR

@@ -12,123 +12,37 @@ controller-manager's garbage collection. The tests share one release and run in 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from kvgate.protocol.records import InferenceResult, ResultStatus
-from tests.admission_service.kafka_helpers import produce, read_results
 from tests.cluster.conftest import ClusterHelm, wait_for
 from tests.cluster.images import ClusterImages
+from tests.cluster.release import (
+    CHART,
+    NAMESPACE,
+    POOL,
+    RELEASE,
+    TOKEN_SECRET,
+    answered_once,
+    chart_values,
+    collect,
+    executor_pods,
+    get_json,
+    pool_manifest,
+    pool_ready,
+    run_requests,
+    text_requests,
+    write_values,
+)
 from tests.harness.kube_cluster import KubeCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
-
-CHART = Path(__file__).parents[2] / "charts" / "kvgate"
-RELEASE = "kvgate"
-NAMESPACE = "kvgate"
-POOL = "cpu"
-TOKEN_SECRET = "cpu-executor-token"
-# 40 ms per simulated step: requests of 24 tokens stay on the executors about a second.
-STEP_TIME_MS = 40
-
-
-def chart_values(images: ClusterImages, **operator: Any) -> dict[str, Any]:
-    return {
-        "images": {
-            "pullPolicy": "Never",
-            "operator": {"repository": images.operator.split(":")[0], "tag": "latest"},
-            "admission": {"repository": images.admission.split(":")[0], "tag": "latest"},
-            "executor": {"repository": images.executor_repository, "tag": "r1"},
-        },
-        "operator": {"settings": {"pollIntervalS": 1, "resyncIntervalS": 5}, **operator},
-    }
-
-
-def write_values(tmp: Path, values: dict[str, Any]) -> Path:
-    path = tmp / f"values-{uuid.uuid4().hex[:6]}.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def pool_manifest(images: ClusterImages, bootstrap: str, topics: dict[str, str], **spec: Any):  # type: ignore[no-untyped-def]
-    body: dict[str, Any] = {
-        "replicas": 2,
-        "gpusPerExecutor": 1,
-        "image": images.executor(1),
-        "imagePullPolicy": "Never",
-        "model": {"family": "llama", "path": "/opt/kvgate-test/model"},
-        "kafka": {
-            "bootstrapServers": bootstrap,
-            "topics": topics,
-            "groupId": f"{topics['requests']}-group",
-            "createTopics": True,
-        },
-        "tokenSecret": {"name": TOKEN_SECRET, "key": "token"},
-        "drainTimeoutSeconds": 60,
-        **spec,
-    }
-    return {
-        "apiVersion": "kvgate.dev/v1alpha1",
-        "kind": "ExecutorPool",
-        "metadata": {"name": POOL, "namespace": NAMESPACE},
-        "spec": body,
-    }
-
-
-def get_json(kube: KubeCluster, *args: str) -> Any:
-    return json.loads(kube.kubectl("get", *args, "-o", "json").stdout)
-
-
-def pool_status(kube: KubeCluster) -> dict[str, Any]:
-    return dict(get_json(kube, "executorpool", POOL, "-n", NAMESPACE).get("status", {}))
-
-
-def pool_ready(kube: KubeCluster, replicas: int, image: str | None = None) -> bool:
-    status = pool_status(kube)
-    if status.get("phase") != "Ready" or status.get("readyReplicas") != replicas:
-        return False
-    if image is None:
-        return True
-    pods = executor_pods(kube)
-    return len(pods) == replicas and all(
-        pod["spec"]["containers"][0]["image"] == image for pod in pods
-    )
-
-
-def executor_pods(kube: KubeCluster) -> list[dict[str, Any]]:
-    selector = f"kvgate.dev/pool={POOL},app.kubernetes.io/component=executor"
-    items = get_json(kube, "pods", "-n", NAMESPACE, "-l", selector)["items"]
-    return [pod for pod in items if not pod["metadata"].get("deletionTimestamp")]
-
-
-def text_requests(count: int, max_tokens: int = 8) -> list[dict[str, Any]]:
-    return [
-        {
-            "request_id": f"r{uuid.uuid4().hex[:12]}",
-            "prompt": " ".join(f"w{(i * 7 + j) % 400}" for j in range(6)),
-            "max_tokens": max_tokens,
-        }
-        for i in range(count)
-    ]
-
-
-def answered_once(results: list[InferenceResult], requests: list[dict[str, Any]]) -> None:
-    counts = Counter(result.request_id for result in results)
-    wanted = {request["request_id"] for request in requests}
-    assert set(counts) == wanted, f"missing {wanted - set(counts)}, extra {set(counts) - wanted}"
-    assert all(count == 1 for count in counts.values()), counts.most_common(3)
-    for result in results:
-        assert result.status is ResultStatus.COMPLETED, result
-        assert result.text, result
 
 
 @pytest.fixture(scope="module")
@@ -166,18 +80,6 @@ def release(
     if cluster_helm.run("status", RELEASE, "-n", NAMESPACE, check=False).returncode == 0:
         kube.kubectl("delete", "executorpools", "--all", "-n", NAMESPACE, check=False)
         cluster_helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", check=False)
-
-
-def run_requests(bootstrap: str, topics: dict[str, str], requests: list[dict[str, Any]]) -> None:
-    asyncio.run(produce(bootstrap, topics["requests"], requests))
-
-
-def collect(
-    bootstrap: str, topics: dict[str, str], count: int, timeout_s: float = 180
-) -> list[InferenceResult]:
-    return asyncio.run(
-        read_results(bootstrap, topics["results"], count, timeout_s=timeout_s, settle_s=2.0)
-    )
 
 
 def test_install_then_text_in_text_out(
@@ -296,7 +198,7 @@ def test_rolling_update_of_the_executor_image(
     answered_once([r for r in results if r.request_id in ids], requests)
 
 
-def test_helm_upgrade_with_changed_values(
+def test_helm_upgrade_and_rollback(
     kube: KubeCluster,
     cluster_helm: ClusterHelm,
     release: Path,
@@ -325,6 +227,17 @@ def test_helm_upgrade_with_changed_values(
     results = collect(kafka_bootstrap, topics, before_count + len(requests))
     ids = {request["request_id"] for request in requests}
     answered_once([r for r in results if r.request_id in ids], requests)
+    # And back: a rollback restores revision 1's operator as revision 3.
+    cluster_helm.run(
+        "rollback", RELEASE, "1", "-n", NAMESPACE, "--wait", "--timeout", "240s", timeout_s=300
+    )
+    rolled = get_json(kube, "deployment", "kvgate-operator", "-n", NAMESPACE)
+    annotations = rolled["spec"]["template"]["metadata"].get("annotations", {})
+    assert "kvgate.test/upgrade" not in annotations
+    assert "--verbose" not in json.dumps(rolled["spec"]["template"]["spec"]["containers"][0])
+    history = json.loads(cluster_helm.run("history", RELEASE, "-n", NAMESPACE, "-o", "json").stdout)
+    assert [(entry["revision"], entry["status"]) for entry in history][-1] == (3, "deployed")
+    wait_for(lambda: pool_ready(kube, 2), "the pool Ready under the rolled-back operator")
 
 
 def test_invalid_values_and_pools_are_refused(
