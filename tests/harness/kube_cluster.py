@@ -133,9 +133,26 @@ def _cgroup_dirs() -> list[Path]:
 
 
 def _remove_cgroup_tree(root: Path) -> None:
-    for dirpath, _dirnames, _files in sorted(os.walk(root), key=lambda e: -len(e[0])):
+    """Kill what still runs in a cgroup tree (a killed session's containers), then remove it,
+    deepest first."""
+    directories = sorted((Path(d) for d, _, _ in os.walk(root)), key=lambda p: -len(p.parts))
+    for directory in directories:
         with contextlib.suppress(OSError):
-            Path(dirpath).rmdir()
+            for pid in (directory / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    for directory in directories:
+        while True:
+            try:
+                directory.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
 
 
 def _pod_netns_names() -> set[str]:
@@ -324,7 +341,15 @@ class KubeCluster:
     def _restore_host(self) -> None:
         """Undo every host change recorded in the state file (idempotent)."""
         state = json.loads(self.state_file.read_text())
-        for name in ("kubelet", "kube-proxy", "containerd"):
+        for name in (
+            "kubelet",
+            "kube-proxy",
+            "kube-scheduler",
+            "kube-controller-manager",
+            "containerd",
+            "containerd-shim-runc-v2",
+            "kube-apiserver",
+        ):
             self._kill_strays(name)
         for entry in sorted(_pod_netns_names() - set(state["pod_netns_before"])):
             _run(["umount", "-l", f"/run/netns/{entry}"], check=False)
