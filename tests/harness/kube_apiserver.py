@@ -46,6 +46,22 @@ from tests.harness.system import (
 
 RECIPE_DIR = Path(__file__).with_name("kube_apiserver")
 _RECIPE_FILES = ("go.mod", "go.sum", "main.go")
+KUBERNETES_VERSION = "v1.37.2"  # k8s.io/kubernetes in go.mod
+# Stamped at link time: an unstamped build reports v0.0.0-master+$Format:%H$, which kubectl
+# cannot parse and which fails a chart's kubeVersion constraint. All Kubernetes binaries the
+# harness builds carry it (tests/harness/kube_build.py).
+_VERSION_PACKAGE = "k8s.io/component-base/version"
+VERSION_LDFLAGS = " ".join(
+    f"-X {_VERSION_PACKAGE}.{name}={value}"
+    for name, value in (
+        ("gitVersion", KUBERNETES_VERSION),
+        ("gitMajor", KUBERNETES_VERSION.lstrip("v").split(".")[0]),
+        ("gitMinor", KUBERNETES_VERSION.lstrip("v").split(".")[1]),
+        ("gitTreeState", "clean"),
+        ("gitCommit", "0" * 40),
+        ("buildDate", "1970-01-01T00:00:00Z"),
+    )
+)
 _BUILD_TIMEOUT_S = 3600
 _READY_TIMEOUT_S = 120
 _STOP_TIMEOUT_S = 30
@@ -75,6 +91,7 @@ def _go_version(go: str) -> str:
 
 def recipe_hash(go_version: str) -> str:
     sha = hashlib.sha256(go_version.encode())
+    sha.update(b"\0ldflags\0" + VERSION_LDFLAGS.encode())
     for name in _RECIPE_FILES:
         data = (RECIPE_DIR / name).read_bytes()
         sha.update(f"\0{name}\0{len(data)}\0".encode())
@@ -101,7 +118,7 @@ def build(progress: Progress = log_progress) -> Path:
         binary.parent.mkdir(parents=True, exist_ok=True)
         partial = binary.with_name("kube-apiserver.partial")
         run_logged(
-            [go, "build", "-o", str(partial), "."],
+            [go, "build", "-ldflags", VERSION_LDFLAGS, "-o", str(partial), "."],
             log_path,
             timeout_s=_BUILD_TIMEOUT_S,
             cwd=RECIPE_DIR,
