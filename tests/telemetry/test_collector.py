@@ -35,7 +35,12 @@ from tests.integration.admission_stack import service_settings, start_service
 from tests.reliability.processes import spawn_real_executor, wait_executor_ready
 from tests.telemetry.otlp_receivers import ReceivedSpan
 
-pytestmark = [pytest.mark.kafka, pytest.mark.docker, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.observability,
+    pytest.mark.kafka,
+    pytest.mark.docker,
+    pytest.mark.timeout(300),
+]
 
 POOL = PoolRef(name="pool-a", namespace="serving", uid="0000-pool-a")
 EXECUTOR_POD = "pool-a-executor-0"

@@ -41,7 +41,12 @@ from tests.operator.examples import FULL_SPEC
 from tests.reliability.processes import parse_metrics
 from tests.telemetry.service_monitor import ScrapeEndpoint, resolve, static_scrape_config
 
-pytestmark = [pytest.mark.kafka, pytest.mark.docker, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.observability,
+    pytest.mark.kafka,
+    pytest.mark.docker,
+    pytest.mark.timeout(300),
+]
 
 POOL = PoolRef(name="pool-a", namespace="serving", uid="0000-pool-a")
 MODEL = "llama-3.2-1b-test"
