@@ -16,7 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tests.chart.manifests import Manifest, selects
+from kvgate.operator.builders.admission import (
+    build_admission_config,
+    build_admission_deployment,
+    build_admission_service,
+)
+from kvgate.operator.builders.common import PoolRef
+from kvgate.operator.models import parse_spec
+from tests.chart.manifests import Manifest, Rendered, selects
+from tests.operator.examples import FULL_SPEC
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,37 @@ def resolve(monitor: Manifest, service: Manifest, pod_spec: Manifest) -> ScrapeE
         timeout=endpoint["scrapeTimeout"],
         selector=dict(spec["selector"]["matchLabels"]),
     )
+
+
+def admission_scrape_endpoint(chart: Rendered, pool: PoolRef) -> ScrapeEndpoint:
+    """The chart's admission ServiceMonitor through the Service and Deployment the operator
+    builds for ``pool``, checked to reach the port its admission service is configured on."""
+    spec = parse_spec(pool.name, FULL_SPEC)
+    deployment = build_admission_deployment(pool, spec, image="a:1", admin_token="t")
+    monitor = chart.one("ServiceMonitor", "kvgate-admission")
+    endpoint = resolve(
+        monitor, build_admission_service(pool), deployment["spec"]["template"]["spec"]
+    )
+    configured = build_admission_config(pool, spec)["admin"]["port"]
+    if endpoint.container_port != configured:
+        raise AssertionError(f"{endpoint} scrapes {endpoint.container_port}, not {configured}")
+    return endpoint
+
+
+def gateway_scrape_endpoint(chart: Rendered, name: str = "kvgate-gateway") -> ScrapeEndpoint:
+    """The chart's gateway ServiceMonitor through the chart's headless Service and StatefulSet,
+    checked to reach the port given as ``--health-port``; the client Service gives no target."""
+    monitor = chart.one("ServiceMonitor", "kvgate-gateway")
+    pod_spec: Manifest = chart.one("StatefulSet", name)["spec"]["template"]["spec"]
+    endpoint = resolve(monitor, chart.one("Service", f"{name}-pods"), pod_spec)
+    [container] = pod_spec["containers"]
+    if f"--health-port={endpoint.container_port}" not in container["args"]:
+        raise AssertionError(f"{endpoint} is not the --health-port of {container['args']}")
+    try:
+        resolve(monitor, chart.one("Service", name), pod_spec)
+    except AssertionError:
+        return endpoint  # the client Service has no such port: no targets from it
+    raise AssertionError(f"the gateway's client Service {name} would be scraped too")
 
 
 def _base(endpoint: ScrapeEndpoint) -> dict[str, Any]:

@@ -13,9 +13,18 @@ import pytest
 from kvgate.operator.builders.admission import build_admission_deployment, build_admission_service
 from kvgate.operator.builders.common import PoolRef
 from kvgate.operator.models import parse_spec
+from tests.chart.helm import Helm
+from tests.chart.manifests import render
+from tests.chart.value_sets import ValueSet
 from tests.harness import otelcol, prometheus
 from tests.operator.examples import FULL_SPEC
-from tests.telemetry.service_monitor import kubernetes_scrape_config, resolve
+from tests.telemetry.service_monitor import (
+    admission_scrape_endpoint,
+    gateway_scrape_endpoint,
+    kubernetes_scrape_config,
+    resolve,
+    static_scrape_config,
+)
 
 POOL = PoolRef(name="pool-a", namespace="serving", uid="0000-pool-a")
 
@@ -156,3 +165,37 @@ def test_a_service_port_targeting_a_missing_container_port_is_refused(
     service["spec"]["ports"][0]["targetPort"] = "metrics"
     with pytest.raises(AssertionError, match="targets 'metrics'"):
         resolve(_monitor(), service, pod_spec)
+
+
+def test_the_charts_monitors_reach_the_admission_and_gateway_ports(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    value_set = ValueSet(
+        "monitors",
+        values={
+            "operator": {"watch": {"namespaces": ["serving"]}},
+            "serviceMonitor": {"enabled": True},
+            "kafka": {"bootstrapServers": "kafka:9092"},
+            "gateway": {"enabled": True, "namespace": "serving", "allowAnonymous": True},
+        },
+    )
+    chart = render(
+        Helm.create(tmp_path_factory.mktemp("helm")), value_set, tmp_path_factory.mktemp("v")
+    )
+    admission = admission_scrape_endpoint(chart, POOL)
+    gateway = gateway_scrape_endpoint(chart)
+    assert (admission.job, admission.container_port) == ("admission", 8080)
+    assert (gateway.job, gateway.service_port, gateway.interval) == ("gateway", "health", "30s")
+    assert static_scrape_config(gateway, ["10.0.0.7:8081"], namespace="serving", service="s")[
+        "static_configs"
+    ] == [
+        {
+            "targets": ["10.0.0.7:8081"],
+            "labels": {
+                "job": "gateway",
+                "namespace": "serving",
+                "service": "s",
+                "endpoint": "health",
+            },
+        }
+    ]
