@@ -114,7 +114,8 @@ class KafkaSettings(_Section):
     # Reading the results partition on assignment (to skip requests already answered) gives up
     # after this long; the partition is then consumed without a skip set (duplicates possible).
     skip_scan_timeout_s: PositiveSeconds = 60.0
-    # A metadata request checks that Kafka answers this often; one unanswered after the timeout
+    # A metadata request checks that Kafka answers about this often (jittered within half the
+    # interval; backing off to 4 intervals while checks fail); one unanswered after the timeout
     # (or failing) marks Kafka unreachable, which /readyz reports until a check succeeds.
     health_check_interval_s: PositiveSeconds = 2.0
     health_check_timeout_s: PositiveSeconds = 5.0

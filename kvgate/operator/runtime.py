@@ -34,11 +34,19 @@ class SyncTicker:
     """Passes over autoscaled pools every ``sync_s`` their last pass asked for, whatever the
     watch events: load is no Kubernetes event. One task for the whole operator; a pool is known
     here once a pass has run over it (kopf's resume handler runs one for every pool at start),
-    and forgotten when a pass says it is gone or no longer autoscaled."""
+    and forgotten when a pass says it is gone or no longer autoscaled. A pass that raises is
+    retried after ``retry_delay_s(failures)``, the operator's jittered backoff over the pool's
+    consecutive failed passes (``OperatorConfig.retry_delay_s``)."""
 
-    def __init__(self, run: Callable[[str, str], Awaitable[Outcome]]) -> None:
+    def __init__(
+        self,
+        run: Callable[[str, str], Awaitable[Outcome]],
+        retry_delay_s: Callable[[int], float],
+    ) -> None:
         self._run = run
+        self._retry_delay_s = retry_delay_s
         self._due: dict[tuple[str, str], float] = {}
+        self._failures: dict[tuple[str, str], int] = {}  # consecutive failed passes per pool
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -50,6 +58,7 @@ class SyncTicker:
 
     def saw(self, namespace: str, name: str, outcome: Outcome) -> None:
         key = (namespace, name)
+        self._failures.pop(key, None)
         if outcome.sync_s is None:
             self._due.pop(key, None)
         else:
@@ -65,13 +74,21 @@ class SyncTicker:
             self._changed.clear()
             now = time.monotonic()
             due = [key for key, at in self._due.items() if at <= now]
-            for namespace, name in due:
-                self._due.pop((namespace, name), None)
+            for key in due:
+                self._due.pop(key, None)
                 try:
-                    await self._run(namespace, name)  # its outcome re-arms it (saw)
+                    await self._run(*key)  # its outcome re-arms it (saw)
                 except Exception as error:
-                    log.warning("autoscaling pass over %s/%s failed: %r", namespace, name, error)
-                    self._due[(namespace, name)] = time.monotonic() + 5.0
+                    failures = self._failures.get(key, 0)
+                    self._failures[key] = failures + 1
+                    delay_s = self._retry_delay_s(failures)
+                    log.warning(
+                        "autoscaling pass over %s/%s failed (%r); retrying in %.1f s",
+                        *key,
+                        error,
+                        delay_s,
+                    )
+                    self._due[key] = time.monotonic() + delay_s
             wait_s = min(self._due.values(), default=now + 60.0) - time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), max(wait_s, 0.05))
@@ -100,7 +117,7 @@ class Runtime:
             return outcome
 
         passes = PassRunner(run_pass)
-        ticker = SyncTicker(passes.run)
+        ticker = SyncTicker(passes.run, config.retry_delay_s)
         return cls(config, kube, admin_session, passes, ticker)
 
     async def close(self) -> None:

@@ -231,3 +231,31 @@ def start_service(
     if wait_ready:
         wait_http(process, service.url("/readyz"))
     return service
+
+
+GATEWAY_KEY = "sk-integration-0123456789"
+
+
+@dataclass
+class Gateway:
+    process: Process
+    port: int  # the OpenAI-compatible API (needs GATEWAY_KEY)
+    health_port: int  # /healthz, /readyz and /metrics without a key
+
+
+def start_gateway(
+    log_dir: Path, bootstrap: str, topics: Topics, replica: str, *, model: str = "sim"
+) -> Gateway:
+    """``kvgate gateway`` over ``topics`` serving ``model``, its one key ``GATEWAY_KEY``."""
+    keys = log_dir / "keys.yaml"
+    keys.write_text(json.dumps({"keys": [{"name": "it", "key": GATEWAY_KEY}]}))
+    port, health = free_port(), free_port()
+    argv = [
+        "gateway", "--bootstrap", bootstrap, "--port", str(port),
+        "--health-port", str(health), "--replica-id", replica, "--model", model,
+        "--request-topic", topics.requests, "--result-topic", topics.results,
+        "--abort-topic", topics.aborts, "--api-keys-file", str(keys),
+    ]  # fmt: skip
+    process = spawn(replica, argv, log_dir)
+    wait_http(process, f"http://127.0.0.1:{health}/readyz")
+    return Gateway(process, port, health)

@@ -6,9 +6,6 @@ the gateway reads them read_committed: every request answered once, on its repli
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,36 +15,15 @@ import pytest
 from kvgate.protocol.records import REPLY_KIND_HEADER, InferenceResult
 from tests.admission_service.kafka_helpers import Topics, read_all, read_results
 from tests.harness.kafka import KafkaBroker
-from tests.integration.admission_stack import Process as StackProcess
 from tests.integration.admission_stack import (
-    _env,
-    free_port,
+    GATEWAY_KEY,
     service_settings,
+    start_gateway,
     start_service,
     start_sim_executor,
-    wait_http,
 )
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(240, func_only=True)]
-KEY = "sk-integration-0123456789"
-
-
-def start_gateway(tmp_path: Path, bootstrap: str, topics: Topics, replica: str) -> tuple[Any, int]:
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(json.dumps({"keys": [{"name": "it", "key": KEY}]}))
-    port, health = free_port(), free_port()
-    log = tmp_path / f"{replica}.log"
-    argv = [
-        sys.executable, "-m", "kvgate", "gateway", "--bootstrap", bootstrap, "--port", str(port),
-        "--health-port", str(health), "--replica-id", replica, "--model", "sim",
-        "--request-topic", topics.requests, "--result-topic", topics.results,
-        "--abort-topic", topics.aborts, "--api-keys-file", str(keys),
-    ]  # fmt: skip
-    with log.open("wb") as sink:
-        popen = subprocess.Popen(argv, env=_env(), stdout=sink, stderr=subprocess.STDOUT)
-    process = StackProcess(replica, popen, log)
-    wait_http(process, f"http://127.0.0.1:{health}/readyz")
-    return process, port
 
 
 async def _ask(api: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
@@ -75,9 +51,11 @@ async def test_gateway_over_real_kafka_with_transactions(
     settings = service_settings(kafka_broker.bootstrap, topics, [executor])
     settings["kafka"]["exactly_once"] = "on"
     service = start_service(tmp_path, "service", settings)
-    gateway, port = start_gateway(tmp_path, kafka_broker.bootstrap, topics, "it-gw")
+    gateway = start_gateway(tmp_path, kafka_broker.bootstrap, topics, "it-gw")
     try:
-        api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        api = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key=GATEWAY_KEY, max_retries=0
+        )
         async with api:
             answers = await asyncio.gather(*(_ask(api, i) for i in range(24)))
         assert [tokens for _, tokens in answers] == [4 + i % 5 for i in range(24)]
@@ -96,6 +74,6 @@ async def test_gateway_over_real_kafka_with_transactions(
         by_id = {r.request_id: r for r in results}
         assert all(c == by_id[c.request_id] for c in copies)
     finally:
-        gateway.stop()
+        gateway.process.stop()
         service.process.stop()
         executor.process.stop()

@@ -88,8 +88,10 @@ def spawn_real_executor(
     block_size: int,
     host_snapshot_blocks: int = 0,
     port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> RealExecutor:
-    """Start ``kvgate executor`` (not waiting for it: see :func:`wait_executor_ready`)."""
+    """Start ``kvgate executor`` (not waiting for it: see :func:`wait_executor_ready`);
+    ``env`` adds variables (``OTEL_*``, say) to the process's environment."""
     port = port or free_port()
     argv = [
         "executor", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
@@ -98,7 +100,7 @@ def spawn_real_executor(
         "--token-file", str(token_file(log_dir)), "--no-calibrate",
     ]  # fmt: skip
     # One intra-op thread: on two shared cores, torch's extra threads only wait for each other.
-    process = spawn(name, argv, log_dir, {"OMP_NUM_THREADS": "1"})
+    process = spawn(name, argv, log_dir, {"OMP_NUM_THREADS": "1", **(env or {})})
     return RealExecutor(process, port, argv)
 
 

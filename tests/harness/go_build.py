@@ -1,0 +1,111 @@
+"""One Go program of the harness, built once per recipe and kept in the cache.
+
+A recipe is a directory holding ``go.mod``, ``go.sum`` and, where the program is the harness's
+own, its Go files. :func:`build_recipe` hashes the recipe's files, the Go version and the build
+options into ``<cache>/<name>/bin-<hash>/<binary>``; a binary there is always complete (written
+under another name, then renamed). Go's module and build caches live under ``<cache>/<name>/go``
+so that a rebuild after a recipe change compiles only what changed. Builds of one recipe run
+under ``<cache>/<name>/build.lock``, so two sessions never build the same thing at once and the
+second takes the first one's binary.
+
+``go.sum`` is part of the recipe: builds run with ``-mod=readonly`` and never rewrite it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.harness.kube_apiserver import go_command
+from tests.harness.system import HarnessError, Progress, cache_root, file_lock, run_logged
+
+_BUILD_TIMEOUT_S = 3600
+
+
+@dataclass(frozen=True)
+class GoRecipe:
+    """What to build: ``package`` (``.`` or an import path) of the module in ``directory``.
+
+    ``files`` are the recipe's files (relative to ``directory``) that the hash covers;
+    ``tags`` and ``ldflags`` are passed to ``go build`` and covered by the hash too.
+    """
+
+    name: str
+    directory: Path
+    files: tuple[str, ...]
+    package: str
+    binary: str
+    tags: tuple[str, ...] = ()
+    ldflags: str = "-s -w"
+
+    def hash(self, go_version: str) -> str:
+        sha = hashlib.sha256(
+            "\0".join([go_version, self.package, ",".join(self.tags), self.ldflags]).encode()
+        )
+        for name in self.files:
+            data = (self.directory / name).read_bytes()
+            sha.update(f"\0{name}\0{len(data)}\0".encode())
+            sha.update(data)
+        return sha.hexdigest()[:12]
+
+    def build_argv(self, go: str, output: Path) -> list[str]:
+        argv = [go, "build", "-trimpath", f"-ldflags={self.ldflags}"]
+        if self.tags:
+            argv.append(f"-tags={','.join(self.tags)}")
+        return [*argv, "-o", str(output), self.package]
+
+
+def go_version(go: str) -> str:
+    completed = subprocess.run(
+        [go, "env", "GOVERSION"], capture_output=True, text=True, check=False, timeout=60
+    )
+    if completed.returncode != 0:
+        raise HarnessError(f"`go env GOVERSION` failed: {completed.stderr.strip()}")
+    return completed.stdout.strip()
+
+
+def build_recipe(recipe: GoRecipe, progress: Progress, *, cold_estimate: str) -> Path:
+    """The binary of ``recipe``, built on first use (see the module docstring).
+
+    ``cold_estimate`` words how long a build with empty Go caches takes, for the progress line.
+    Raises :class:`~tests.harness.kube_apiserver.GoMissing` without Go, and
+    :class:`HarnessError` (with the build log's tail) when the build fails.
+    """
+    go = go_command()
+    root = cache_root() / recipe.name
+    binary = root / f"bin-{recipe.hash(go_version(go))}" / recipe.binary
+    if binary.exists():
+        return binary
+    with file_lock(root / "build.lock"):
+        if binary.exists():  # built by another session while this one waited
+            return binary
+        log_path = cache_root() / "logs" / f"{recipe.name}-build.log"
+        progress(f"building {recipe.name} (go build; {cold_estimate} cold); log: {log_path}")
+        started = time.monotonic()
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        partial = binary.with_name(f"{recipe.binary}.partial")
+        run_logged(
+            recipe.build_argv(go, partial),
+            log_path,
+            timeout_s=_BUILD_TIMEOUT_S,
+            cwd=recipe.directory,
+            env={
+                "GOMODCACHE": str(root / "go" / "mod"),
+                "GOCACHE": str(root / "go" / "build"),
+                "GOFLAGS": "-mod=readonly -modcacherw -buildvcs=false",
+                "CGO_ENABLED": "0",
+            },
+        )
+        partial.replace(binary)  # atomic: a binary in the cache is always a complete one
+        progress(f"built {recipe.name} in {time.monotonic() - started:.0f} s: {binary}")
+    return binary
+
+
+def recipe_files(directory: Path, extra: Sequence[str] = ()) -> tuple[str, ...]:
+    """``go.mod``, ``go.sum`` and every ``.go`` file of ``directory``, plus ``extra``."""
+    go_files = sorted(p.name for p in directory.glob("*.go"))
+    return ("go.mod", "go.sum", *go_files, *extra)
