@@ -191,3 +191,9 @@ def test_without_a_compiler_the_torch_path_is_taken_and_said(tmp_path: Path) -> 
     assert not any(tmp_path.iterdir())  # nothing half-built left behind
     line = _load_in_subprocess(tmp_path, {cpu.DISABLE_ENV: "torch"})
     assert line == f"CPU kernels: pure torch fallback ({cpu.DISABLE_ENV}=torch)"
+
+
+def test_an_unknown_setting_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu.DISABLE_ENV, "fast")
+    with pytest.raises(ValueError, match="KVGATE_CPU_KERNELS='fast': expected one of auto, torch"):
+        cpu.load(tmp_path)

@@ -5,14 +5,14 @@ caller names (the executor passes one under the kvgate cache), loads it and regi
 kernels as ``torch.ops.kvgate_cpu.*``; a second process finds the built library and only loads
 it (``torch.utils.cpp_extension`` keeps a lock file while it builds, so concurrent processes
 wait for one build). Where the machine cannot build it (no C++ compiler, no ninja, a failing
-compile), ``load`` says why and every caller keeps the pure-torch path (``reference.py``), which
-computes the same thing.
+compile), ``load`` says why and every caller keeps the pure-torch path, which computes the same
+thing (``TorchLayerOps`` in ``kvgate.gpu_executor.layer_ops``, ``torch_ops``, ``torch_attention``).
 
 The library is compiled for this CPU (``-march=native``): the build directory's name carries a
 digest of the source, the flags, torch's version and the CPU's feature flags, so a cache shared
 with another kind of machine, or another torch, builds its own copy.
 
-Measured (2-core AMD EPYC, under load): a cold build took 13-30 s; a warm load well under 1 s.
+Measured (2-core AMD EPYC, load average 1-8): a cold build took 13-36 s; a warm load < 1 s.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("ops.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd")
-# Set to "torch" to skip the build and keep the pure-torch kernels.
+# "torch": skip the build and keep the pure-torch kernels; "auto" (or unset): build where possible.
 DISABLE_ENV = "KVGATE_CPU_KERNELS"
+_CHOICES = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,10 @@ def load(build_root: Path) -> LoadResult:
 
     Safe to call again: an already loaded library is not loaded twice.
     """
-    if os.environ.get(DISABLE_ENV, "").strip().lower() == "torch":
+    choice = os.environ.get(DISABLE_ENV, "").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"{DISABLE_ENV}={choice!r}: expected one of {', '.join(_CHOICES)}")
+    if choice == "torch":
         return LoadResult(False, f"{DISABLE_ENV}=torch")
     if loaded():
         return LoadResult(True, "already loaded")

@@ -3,9 +3,10 @@
 //
 // Built once per machine by kvgate/kernels/cpu/__init__.py (torch.utils.cpp_extension, -O3
 // -march=native -ffp-contract=off: no fused multiply-adds, so an element-wise formula rounds
-// exactly as the torch expression it replaces). The torch expressions in kvgate/kernels/cpu/
-// reference.py are the specification; tests/kernels/test_kernels_cpu.py compares each kernel
-// with them.
+// exactly as the torch expression it replaces). The torch expressions they replace are the
+// specification: TorchLayerOps in kvgate/gpu_executor/layer_ops.py (norms, SiLU, RoPE),
+// write_kv_torch in kvgate/kernels/torch_ops.py, the decode path of torch_attention.py;
+// tests/kernels/test_kernels_cpu.py compares each kernel with them.
 //
 // Shapes (every pointer argument):
 //   rms_norm        x [n, H], weight [H]                         -> [n, H]
@@ -32,6 +33,14 @@
 #include <vector>
 
 namespace {
+
+// Elements (or multiply-adds) a thread should get before a kernel splits its work: a parallel
+// region costs a wake-up and a barrier, which on a busy machine waits for a descheduled thread.
+constexpr int64_t kGrainElements = 1 << 15;
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
 
 constexpr float kLog2e = 1.44269504088896341f;
 // ln 2 split in two so that n * kLn2Hi is exact for |n| < 2^9 (Cody and Waite).
@@ -87,7 +96,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_rows(h), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_row(xp + r * xs, wp, op + r * h, h, eps);
   });
   return out;
@@ -109,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(
   float* sp = sum.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_rows(2 * h), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* s = sp + r * h;
       const float* a = xp + r * xs;
@@ -131,7 +140,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
-  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_rows(4 * half), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gp + r * gs;
       const float* u = g + half;
@@ -159,7 +168,7 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin_signed
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin_signed.data_ptr<float>();
   const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin_signed.stride(0);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_rows(rotated_heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * cs;
       const float* s = sp + t * ss;
@@ -208,7 +217,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(sl[t] < num_slots, "slot ", sl[t], " of token ", t, " is past the cache");
   }
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_rows(2 * kv_heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = sl[t];
       if (slot < 0) continue;
@@ -300,10 +309,12 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  int64_t positions = 0;
   for (int64_t i = 0; i < m; ++i) {
     TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows, "decode row ", rp[i], " out of range");
     TORCH_CHECK(lens[rp[i]] >= 1 && lens[rp[i]] <= width * block_size, "row ", rp[i],
                 " has a length its block table cannot hold");
+    positions += lens[rp[i]];
   }
   const float* qp = query.data_ptr<float>();
   const float* kc = key_cache.data_ptr<float>();
@@ -313,7 +324,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const auto scale = static_cast<float>(softmax_scale);
-  at::parallel_for(0, m * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A task (one row, one KV head) reads 2 * len * d floats of K and V.
+  const int64_t task_floats = 2 * d * positions / std::max<int64_t>(1, m);
+  at::parallel_for(0, m * kv_heads, grain_rows(task_floats), [&](int64_t begin, int64_t end) {
     std::vector<float> scores, scaled_q;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = rp[task / kv_heads], g = task % kv_heads;
