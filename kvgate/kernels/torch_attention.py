@@ -5,7 +5,9 @@ offsets, lengths: the same for every layer of a step) and turns it into an :clas
 of index tensors and masks. :func:`paged_attention_torch` then runs one layer with that plan and
 touches no Python lists:
 
-* decode rows (one query each), sorted by length and batched in groups bounded in memory and in
+* decode rows (one query each), on a plan made with ``compiled=True``: all of them in one call
+  of the compiled kernel (``kvgate.kernels.cpu``), which reads K and V in place through the block
+  tables (float32 caches); otherwise sorted by length and batched in groups bounded in memory and in
   padding: :mod:`torch_decode` reads them straight from the cache (float32 caches whose head
   vectors are packed, which is how the executor lays them out); otherwise each position's K/V is
   gathered, upcast to float32 and handed to torch's ``scaled_dot_product_attention``;
