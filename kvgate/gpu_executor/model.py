@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.gpu_executor.config import ModelConfig
+from kvgate.gpu_executor.layer_ops import TorchLayerOps, select_layer_ops
 from kvgate.gpu_executor.linear import Linear, LinearBackend, select_linear_backend
 from kvgate.gpu_executor.rope import RotaryTable, Rotation
 from kvgate.gpu_executor.tensor_parallel.layers import (
@@ -134,13 +135,6 @@ class _LayerLinears:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x [n, H]`` normalized in fp32, scaled by ``weight [H]`` in the model dtype."""
-    x_float = x.float()
-    normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
 class Model:
     """A loaded model on one device: prelude, core pass, exit gate and coda.
 
@@ -156,6 +150,7 @@ class Model:
         weights: ModelWeights,
         linear_backend: LinearBackend | None = None,
         parallel: TensorParallel | None = None,
+        layer_ops: TorchLayerOps | None = None,
     ):
         self.config = config
         self.weights = weights
@@ -181,6 +176,7 @@ class Model:
             self._lm_head = VocabParallelHead(
                 Linear.build(weights.lm_head, None, backend), config.vocab_size, parallel
             )
+        self.ops = layer_ops or select_layer_ops(self.device, self.dtype)
         self.rotary = RotaryTable(
             config.head_dim, config.rope_theta, config.rope_scaling, self.device
         )
@@ -202,44 +198,47 @@ class Model:
         max_position: int,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        """One pass through every layer: hidden ``[n, H]`` at int64 ``positions [n]``."""
+        """One pass through every layer: hidden ``[n, H]`` at int64 ``positions [n]``.
+
+        Each residual add is fused with the norm that reads its sum (the next sub-layer's
+        input norm), so a layer is: attention block, add + norm, MLP block, add + next norm.
+        """
+        cfg, ops, layers = self.config, self.ops, self.weights.layers
         rotation = self.rotary.at(positions, max_position)  # the same for every layer
-        for index, (layer, linears) in enumerate(
-            zip(self.weights.layers, self._linears, strict=True)
-        ):
-            hidden = self._layer(index, layer, linears, hidden, rotation, attention)
-        if self.config.norm_every_loop:
-            hidden = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+        x = ops.rms_norm(hidden, layers[0].input_norm, cfg.rms_norm_eps)
+        for index, (layer, linears) in enumerate(zip(layers, self._linears, strict=True)):
+            attn = self._attention_block(index, layer, linears, x, rotation, attention)
+            hidden, x = ops.add_rms_norm(attn, hidden, layer.post_attention_norm, cfg.rms_norm_eps)
+            mlp = linears.down(ops.silu_and_mul(linears.gate_up(x)))
+            if layer.mlp_out_norm is not None:
+                mlp = ops.rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
+            if index + 1 < len(layers):
+                next_norm = layers[index + 1].input_norm
+                hidden, x = ops.add_rms_norm(mlp, hidden, next_norm, cfg.rms_norm_eps)
+            else:
+                hidden = hidden + mlp
+        if cfg.norm_every_loop:
+            hidden = ops.rms_norm(hidden, self.weights.norm, cfg.rms_norm_eps)
         return hidden
 
-    def _layer(
+    def _attention_block(
         self,
         index: int,
         layer: LayerWeights,
         linears: _LayerLinears,
-        hidden: torch.Tensor,
+        x: torch.Tensor,  # [n, H]: the input norm's output
         rotation: Rotation,
         attention: AttentionFn,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [n, H], before the residual add
         cfg = self.config
-        n = hidden.shape[0]
-        x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+        n = x.shape[0]
         # [n, Hq + 2 Hkv, D]: q and k heads are adjacent, so one rotation covers both.
         qkv = linears.qkv(x).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        qk = rotation.rotate(qkv[:, : cfg.num_heads + cfg.num_kv_heads])
-        q, k = qk.split_with_sizes([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = qkv[:, cfg.num_heads + cfg.num_kv_heads :]
-        attn = attention(index, q, k, v).reshape(n, self._q_dim)
-        attn = linears.o(attn)
+        q, k, v = self.ops.rotate_qk(qkv, rotation, cfg.num_heads, cfg.num_kv_heads)
+        attn = linears.o(attention(index, q, k, v).reshape(n, self._q_dim))
         if layer.attention_out_norm is not None:
-            attn = rms_norm(attn, layer.attention_out_norm, cfg.rms_norm_eps)
-        hidden = hidden + attn
-        x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
-        gate, up = linears.gate_up(x).chunk(2, dim=-1)
-        mlp = linears.down(F.silu(gate) * up)
-        if layer.mlp_out_norm is not None:
-            mlp = rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
-        return hidden + mlp
+            attn = self.ops.rms_norm(attn, layer.attention_out_norm, cfg.rms_norm_eps)
+        return attn
 
     def exit_hazard(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 ``[n]``: the gate's probability of exiting after this pass, given no exit before.
@@ -254,5 +253,5 @@ class Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The coda: hidden ``[n, H]`` after the exit pass -> fp32 logits ``[n, V]``."""
         if self.config.family is ModelFamily.LLAMA:
-            hidden = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+            hidden = self.ops.rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
         return self._lm_head(hidden).float()

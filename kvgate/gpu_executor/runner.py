@@ -317,9 +317,10 @@ class StepRunner:
                 num_tokens=len(positions),
                 num_blocks=cache.num_blocks,
                 block_size=bs,
+                compiled=model.ops.compiled,
             )
             write_plan = kernels.plan_write_kv(
-                slot_tensor, num_blocks=cache.num_blocks, block_size=bs
+                slot_tensor, num_blocks=cache.num_blocks, block_size=bs, compiled=model.ops.compiled
             )
 
         def attention(

@@ -103,6 +103,7 @@ def plan_attention(
     num_tokens: int,
     num_blocks: int,
     block_size: int,
+    compiled: bool = False,
 ) -> AttentionPlan | None:
     """Prepare one step's metadata for every layer's :func:`paged_attention` call.
 
@@ -110,6 +111,8 @@ def plan_attention(
     here, once, and precomputes its gather indices and masks; the result is ``None`` where the
     backend needs no plan (Triton, which reads the metadata on the device and must not stall the
     stream to read it on the host). The tensors must not be changed while the plan is in use.
+    ``compiled`` (CPU): decode rows on the compiled kernel of :mod:`kvgate.kernels.cpu` (loaded
+    by the caller; the executor does where its model runs the compiled layer operations).
     """
     if select_backend(block_tables.device) is not Backend.TORCH:
         return None
@@ -120,6 +123,7 @@ def plan_attention(
         num_tokens=num_tokens,
         num_blocks=num_blocks,
         block_size=block_size,
+        compiled=compiled,
     )
 
 
@@ -150,16 +154,20 @@ def plan_write_kv(
     *,
     num_blocks: int,
     block_size: int,
+    compiled: bool = False,
 ) -> WritePlan | None:
     """Prepare one step's slot mapping for every layer's :func:`write_kv` call.
 
     The slots of a step are the same for every layer: the CPU torch path checks their values
     here, once (the check sorts them), and splits them into block and offset indices. ``None``
     where the backend needs no plan (Triton: the slots stay on the device, unread).
+    ``compiled`` (CPU): float32 writes on :mod:`kvgate.kernels.cpu`'s kernel (loaded).
     """
     if select_backend(slot_mapping.device) is not Backend.TORCH:
         return None
-    return plan_write_kv_torch(slot_mapping, num_blocks=num_blocks, block_size=block_size)
+    return plan_write_kv_torch(
+        slot_mapping, num_blocks=num_blocks, block_size=block_size, compiled=compiled
+    )
 
 
 def copy_slots(

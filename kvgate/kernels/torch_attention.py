@@ -5,7 +5,9 @@ offsets, lengths: the same for every layer of a step) and turns it into an :clas
 of index tensors and masks. :func:`paged_attention_torch` then runs one layer with that plan and
 touches no Python lists:
 
-* decode rows (one query each), sorted by length and batched in groups bounded in memory and in
+* decode rows (one query each), on a plan made with ``compiled=True``: all of them in one call
+  of the compiled kernel (``kvgate.kernels.cpu``), which reads K and V in place through the block
+  tables (float32 caches); otherwise sorted by length and batched in groups bounded in memory and in
   padding: :mod:`torch_decode` reads them straight from the cache (float32 caches whose head
   vectors are packed, which is how the executor lays them out); otherwise each position's K/V is
   gathered, upcast to float32 and handed to torch's ``scaled_dot_product_attention``;
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvgate.kernels import cpu
 from kvgate.kernels.checks import check_attention_metadata, check_attention_shapes
 from kvgate.kernels.torch_decode import DecodeSlots, decode_attention, row_table
 
@@ -79,6 +82,8 @@ class AttentionPlan:
     block_size: int
     padding_tokens: torch.Tensor | None  # int64 [m]: tokens of padding rows; None: no padding
     decode_groups: tuple[_DecodeGroup, ...]
+    decode_rows: torch.Tensor | None  # int64 [m]: rows with one query; None: there are none
+    compiled: bool  # decode rows on the compiled kernel (float32 caches) instead of the groups
     chunk_rows: tuple[_ChunkRow, ...]
 
     def require_matches(
@@ -149,8 +154,17 @@ def plan_attention_torch(
     num_tokens: int,
     num_blocks: int,
     block_size: int,
+    compiled: bool = False,
 ) -> AttentionPlan:
-    """Check the metadata's values once and precompute every layer's gather indices and masks."""
+    """Check the metadata's values once and precompute every layer's gather indices and masks.
+
+    ``compiled``: decode rows on the compiled kernel (``kvgate.kernels.cpu``, which must be
+    loaded) where the caches are float32; the torch groups stay ready for other caches.
+    """
+    if compiled and not cpu.loaded():
+        raise ValueError(
+            "compiled decode attention asked for, but kvgate.kernels.cpu is not loaded"
+        )
     check_attention_metadata(
         block_tables,
         query_start_loc,
@@ -198,6 +212,8 @@ def plan_attention_torch(
         block_size=block_size,
         padding_tokens=torch.tensor(padding, dtype=torch.int64) if padding else None,
         decode_groups=tuple(groups),
+        decode_rows=torch.tensor(decode_rows, dtype=torch.int64) if decode_rows else None,
+        compiled=compiled,
         chunk_rows=tuple(chunk_rows),
     )
 
@@ -221,6 +237,16 @@ def _gather_positions(
 ) -> torch.Tensor:  # [n, num_kv_heads, max_len, head_dim] (a strided view), float32
     """Decode rows' contexts, position by position (caches :mod:`torch_decode` cannot read)."""
     return cache[slots.block_ids, slots.offsets].float().transpose(1, 2)
+
+
+def _compiled_reads(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor
+) -> bool:
+    """The compiled decode kernel reads float32 with contiguous head vectors (any strides else)
+    and K and V caches laid out alike, as the executor's are."""
+    tensors = (query, key_cache, value_cache, out)
+    same_layout = key_cache.stride() == value_cache.stride()
+    return same_layout and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
 
 
 def paged_attention_torch(
@@ -269,8 +295,20 @@ def paged_attention_torch(
             enable_gqa=True,
         )
 
+    if (
+        plan.decode_rows is not None
+        and plan.compiled
+        and _compiled_reads(query, key_cache, value_cache, out)
+    ):
+        torch.ops.kvgate_cpu.decode_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+            plan.decode_rows, softmax_scale, out,
+        )  # fmt: skip
+        decode_groups: tuple[_DecodeGroup, ...] = ()
+    else:
+        decode_groups = plan.decode_groups
     key_table, value_table = row_table(key_cache), row_table(value_cache)
-    for group in plan.decode_groups:
+    for group in decode_groups:
         q = query[group.tokens]  # [n, num_q_heads, head_dim]
         if key_table is not None and value_table is not None and key_table[1] == value_table[1]:
             result = decode_attention(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgate.kernels import cpu
 from kvgate.kernels.checks import check_copy_slots, check_slot_mapping, check_write_kv
 
 
@@ -25,6 +26,7 @@ class WritePlan:
     block_size: int
     keep: torch.Tensor | None  # bool [num_tokens]: tokens with a slot; None: every token
     at: tuple[torch.Tensor, torch.Tensor]  # int64 (block ids, offsets) of the kept tokens
+    compiled: bool  # float32 writes on the compiled kernel (kvgate.kernels.cpu)
 
     def require_matches(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if slot_mapping is not self.slot_mapping:
@@ -41,17 +43,22 @@ def plan_write_kv_torch(
     *,
     num_blocks: int,
     block_size: int,
+    compiled: bool = False,
 ) -> WritePlan:
-    """Check the slots' values once and precompute the index tensors every layer writes to."""
+    """Check the slots' values once and precompute the index tensors every layer writes to.
+
+    ``compiled``: float32 writes on the compiled kernel (``kvgate.kernels.cpu``, loaded).
+    """
+    if compiled and not cpu.loaded():
+        raise ValueError("compiled KV writes asked for, but kvgate.kernels.cpu is not loaded")
     check_slot_mapping(slot_mapping, num_slots=num_blocks * block_size)
     keep = None
     slots = slot_mapping
     if bool((slot_mapping < 0).any()):  # padding tokens: drop them (rare; masking copies)
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
-    return WritePlan(
-        slot_mapping, num_blocks, block_size, keep, (slots // block_size, slots % block_size)
-    )
+    at = (slots // block_size, slots % block_size)
+    return WritePlan(slot_mapping, num_blocks, block_size, keep, at, compiled)
 
 
 def write_kv_torch(
@@ -70,6 +77,13 @@ def write_kv_torch(
         )
     else:
         plan.require_matches(key_cache, slot_mapping)
+    tensors = (key, value, key_cache, value_cache)
+    same_layout = key_cache.stride() == value_cache.stride()
+    fp32 = all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+    if plan.compiled and same_layout and fp32:
+        # Padding tokens (negative slots) are skipped by the kernel itself.
+        torch.ops.kvgate_cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        return
     if plan.keep is not None:
         key, value = key[plan.keep], value[plan.keep]
     # index_put_ writes through views, so per-layer views of a 5-D cache work.

@@ -1,10 +1,12 @@
 """The CPU fast path against the plain torch reference it replaces.
 
 Fast path: linears on oneDNN-prepacked weights (fused q/k/v and gate/up), one RoPE over the
-adjacent q and k heads with cos/sin gathered once per pass, KV writes planned once per step.
-Reference: ``F.linear`` on the checkpoint weights, textbook rotate-half, unplanned writes.
-The GEMMs sum in another order, so hidden states agree to rounding (checked with a tolerance)
-and greedy tokens exactly; the RoPE and KV-write changes are exact.
+adjacent q and k heads with cos/sin gathered once per pass, KV writes planned once per step, and,
+where they build, the compiled CPU kernels (norms, SiLU-and-mul, RoPE, KV writes, decode
+attention: ``kvgate.kernels.cpu``). Reference: ``F.linear`` on the checkpoint weights and the
+torch expressions (``TorchLayerOps``), textbook rotate-half, unplanned writes. The GEMMs and
+norms sum in another order, so hidden states agree to rounding (checked with a tolerance) and
+greedy tokens exactly; the RoPE and KV-write changes are exact.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from kvgate import kernels
 from kvgate.gpu_executor.config import RopeScaling
 from kvgate.gpu_executor.executor import Executor
+from kvgate.gpu_executor.layer_ops import TorchLayerOps, prepare_cpu_kernels
 from kvgate.gpu_executor.linear import Linear, LinearBackend, select_linear_backend
 from kvgate.gpu_executor.loader import LoadedModel
 from kvgate.gpu_executor.model import Model
@@ -33,8 +36,10 @@ pytestmark = pytest.mark.skipif(
 
 
 def _plain(loaded: LoadedModel) -> LoadedModel:
-    """The same weights behind the plain torch linears."""
-    model = Model(loaded.model.config, loaded.model.weights, LinearBackend.TORCH)
+    """The same weights behind the plain torch linears and layer operations."""
+    model = Model(
+        loaded.model.config, loaded.model.weights, LinearBackend.TORCH, layer_ops=TorchLayerOps()
+    )
     return LoadedModel(model, loaded.tokenizer, loaded.source)
 
 
@@ -42,6 +47,8 @@ def test_cpu_float32_models_take_the_fast_path(family_model: LoadedModel) -> Non
     assert family_model.model.linear_backend is LinearBackend.ONEDNN
     assert select_linear_backend(torch.device("cpu"), torch.bfloat16) is LinearBackend.TORCH
     assert select_linear_backend(torch.device("cuda"), torch.float32) is LinearBackend.TORCH
+    # The compiled layer operations wherever this machine builds them.
+    assert family_model.model.ops.compiled is prepare_cpu_kernels().compiled
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 130])

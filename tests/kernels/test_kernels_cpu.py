@@ -1,0 +1,199 @@
+"""kvgate's compiled CPU kernels (``kvgate/kernels/cpu/ops.cpp``) against the torch path.
+
+Each kernel is compared with the torch expression it replaces: bit for bit where the arithmetic
+is the same operations in the same order (residual sums, RoPE, KV writes), else within stated
+tolerances (sums of squares and softmax sums in another order; exp by a polynomial). Decode
+attention is also checked against the float64 reference on NaN-poisoned caches. The kernels
+are built once per machine into the kvgate cache (the first run of this module pays the cold
+compile: docs/testing.md); without a compiler the module skips with the reason, and the
+fallback test below still runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgate import kernels
+from kvgate.gpu_executor.config import RopeScaling
+from kvgate.gpu_executor.layer_ops import CompiledLayerOps, TorchLayerOps, prepare_cpu_kernels
+from kvgate.gpu_executor.rope import RotaryTable
+from kvgate.kernels import cpu
+from tests.kernels.paged_cases import MIXED_ROWS, Row, build_batch
+from tests.kernels.test_kernels_attention import assert_matches_reference
+
+REPO = Path(__file__).resolve().parents[2]
+TORCH_OPS, COMPILED_OPS = TorchLayerOps(), CompiledLayerOps()
+DECODE_ROWS = [Row(1, 23), Row(1, 20), Row(0, 0), Row(4, 9), Row(1, 17), Row(2, 0), Row(1, 70)]
+
+
+@pytest.fixture(scope="module")
+def compiled_kernels() -> None:
+    result = prepare_cpu_kernels()
+    if not result.compiled:
+        pytest.skip(result.log_line())
+
+
+def _rows(n: int, width: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=generator) * scale
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_rms_norm_and_the_fused_residual_add(n: int) -> None:
+    x, residual, weight = _rows(n, 576, 1), _rows(n, 576, 2, 30.0), _rows(1, 576, 3)[0]
+    expected = TORCH_OPS.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(
+        COMPILED_OPS.rms_norm(x, weight, 1e-5), expected, rtol=2e-6, atol=1e-6
+    )
+
+    total, normed = COMPILED_OPS.add_rms_norm(x, residual, weight, 1e-5)
+    want_total, want_normed = TORCH_OPS.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, want_total)  # one IEEE add per element either way
+    torch.testing.assert_close(normed, want_normed, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_rms_norm_reads_strided_rows() -> None:
+    wide = _rows(5, 1200, 4)
+    x, weight = wide[:, 100:676], _rows(1, 576, 5)[0]
+    torch.testing.assert_close(
+        COMPILED_OPS.rms_norm(x, weight, 1e-6), TORCH_OPS.rms_norm(x, weight, 1e-6),
+        rtol=2e-6, atol=1e-6,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_silu_and_mul_over_the_whole_range() -> None:
+    gate_up = _rows(64, 2 * 1536, 6, 8.0)
+    gate_up[0, :9] = torch.tensor([-200.0, -88.0, -30.0, -1e-8, 0.0, 1e-8, 30.0, 88.0, 200.0])
+    out = COMPILED_OPS.silu_and_mul(gate_up)
+    expected = TORCH_OPS.silu_and_mul(gate_up)
+    # exp within 1.4 ulp, then a divide and a multiply: a few ulp of the result.
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-30)
+    assert out.shape == (64, 1536)
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_rotary_is_the_textbook_rotation_bit_for_bit() -> None:
+    table = RotaryTable(64, 10000.0, RopeScaling(), torch.device("cpu"))
+    positions = torch.tensor([0, 5, 17, 300, 4095, 2])
+    rotation = table.at(positions, 4095)
+    qkv = torch.randn(6, 9 + 2 * 3, 64)
+    want_q, want_k, want_v = TORCH_OPS.rotate_qk(qkv, rotation, 9, 3)
+    want = (want_q.clone(), want_k.clone(), want_v.clone())
+    q, k, v = COMPILED_OPS.rotate_qk(qkv.clone(), rotation, 9, 3)
+    for got, expected in zip((q, k, v), want, strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_write_kv_matches_index_put_bit_for_bit() -> None:
+    num_blocks, num_layers, block_size, kv_heads, head_dim = 6, 3, 4, 2, 16
+    caches = [torch.full((num_blocks, num_layers, block_size, kv_heads, head_dim), float("nan"))
+              for _ in range(4)]  # fmt: skip
+    key, value = torch.randn(5, kv_heads, head_dim), torch.randn(5, kv_heads, head_dim)
+    slots = torch.tensor([3, 17, -1, 8, 23])  # one padding token
+    for compiled, (key_cache, value_cache) in ((False, caches[:2]), (True, caches[2:])):
+        plan = kernels.plan_write_kv(
+            slots, num_blocks=num_blocks, block_size=block_size, compiled=compiled
+        )
+        kernels.write_kv(key, value, key_cache[:, 1], value_cache[:, 1], slots, plan=plan)
+    torch.testing.assert_close(caches[2], caches[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0, equal_nan=True)
+    assert not caches[2][:, 1].isnan().all()
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 64), (9, 3, 64), (6, 1, 128), (4, 2, 40)],
+    ids=["mha", "gqa3", "mqa6-d128", "gqa2-d40"],
+)
+def test_decode_attention_in_place(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    batch = build_batch(
+        DECODE_ROWS, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=8,
+    )  # fmt: skip
+    results = {}
+    for compiled in (False, True):
+        plan = kernels.plan_attention(
+            batch.block_tables, batch.query_start_loc, batch.seq_lens,
+            num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
+            block_size=batch.key_cache.shape[1], compiled=compiled,
+        )  # fmt: skip
+        results[compiled] = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
+    assert_matches_reference(batch, results[True])
+    # Against the torch path: float32 sums in another order, exp by a polynomial.
+    torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_decode_attention_with_mixed_rows() -> None:
+    batch = build_batch(MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
+    plan = kernels.plan_attention(
+        batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
+        block_size=batch.key_cache.shape[1], compiled=True,
+    )  # fmt: skip
+    assert_matches_reference(
+        batch, kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
+    )
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_bad_input_gets_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        COMPILED_OPS.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="weight has 3 elements"):
+        COMPILED_OPS.rms_norm(torch.ones(2, 4), torch.ones(3), 1e-5)
+    with pytest.raises(RuntimeError, match="width must be even"):
+        COMPILED_OPS.silu_and_mul(torch.ones(2, 5))
+    cache = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.kvgate_cpu.write_kv(
+            torch.ones(1, 1, 8), torch.ones(1, 1, 8), cache, cache.clone(), torch.tensor([8])
+        )
+    assert cache.count_nonzero() == 0  # nothing written
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_the_model_runs_the_compiled_ops_on_cpu_float32() -> None:
+    from kvgate.gpu_executor.layer_ops import select_layer_ops
+
+    assert select_layer_ops(torch.device("cpu"), torch.float32).compiled
+    assert not select_layer_ops(torch.device("cpu"), torch.bfloat16).compiled
+
+
+def _load_in_subprocess(tmp_path: Path, env: dict[str, str]) -> str:
+    code = (
+        "from pathlib import Path; from kvgate.kernels import cpu; "
+        f"print(cpu.load(Path({str(tmp_path)!r})).log_line())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=os.environ | {"PYTHONPATH": str(REPO)} | env,
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    return done.stdout.strip()
+
+
+def test_without_a_compiler_the_torch_path_is_taken_and_said(tmp_path: Path) -> None:
+    line = _load_in_subprocess(tmp_path, {"CXX": "kvgate-no-such-compiler"})
+    assert line == (
+        "CPU kernels: pure torch fallback (no C++ compiler ('kvgate-no-such-compiler' not on PATH))"
+    )
+    assert not any(tmp_path.iterdir())  # nothing half-built left behind
+    line = _load_in_subprocess(tmp_path, {cpu.DISABLE_ENV: "torch"})
+    assert line == f"CPU kernels: pure torch fallback ({cpu.DISABLE_ENV}=torch)"
+
+
+def test_an_unknown_setting_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu.DISABLE_ENV, "fast")
+    with pytest.raises(ValueError, match="KVGATE_CPU_KERNELS='fast': expected one of auto, torch"):
+        cpu.load(tmp_path)
