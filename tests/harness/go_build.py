@@ -4,6 +4,8 @@ A recipe is a directory holding ``go.mod``, ``go.sum`` and, where the program is
 own, its Go files. :func:`build_recipe` hashes the recipe's files, the Go version and the build
 options into ``<cache>/<name>/bin-<hash>/<binary>``; a binary there is always complete (written
 under another name, then renamed). Go's module and build caches live under ``<cache>/<name>/go``
+(or under another recipe's, ``go_caches``: Go's build cache keys include the module cache path,
+so programs of one module family share compiled packages only through one pair of caches),
 so that a rebuild after a recipe change compiles only what changed. Builds of one recipe run
 under ``<cache>/<name>/build.lock``, so two sessions never build the same thing at once and the
 second takes the first one's binary.
@@ -14,16 +16,39 @@ second takes the first one's binary.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness.kube_apiserver import go_command
 from tests.harness.system import HarnessError, Progress, cache_root, file_lock, run_logged
 
 _BUILD_TIMEOUT_S = 3600
+
+
+class GoMissing(HarnessError):
+    """No ``go`` command: nothing Go can be built here (the only reason to skip such a test)."""
+
+
+def go_command() -> str:
+    found = shutil.which("go")
+    if found is None:
+        raise GoMissing("these tests need Go (https://go.dev/dl/) on PATH to build their servers")
+    return found
+
+
+def go_env(go_caches: Path) -> dict[str, str]:
+    """The environment of every harness build: module and build caches under ``go_caches``,
+    ``go.sum`` never rewritten (``-mod=readonly``), a module cache that ``rm -rf`` can delete
+    with the rest of the harness cache, static binaries."""
+    return {
+        "GOMODCACHE": str(go_caches / "mod"),
+        "GOCACHE": str(go_caches / "build"),
+        "GOFLAGS": "-mod=readonly -modcacherw -buildvcs=false",
+        "CGO_ENABLED": "0",
+    }
 
 
 @dataclass(frozen=True)
@@ -31,7 +56,9 @@ class GoRecipe:
     """What to build: ``package`` (``.`` or an import path) of the module in ``directory``.
 
     ``files`` are the recipe's files (relative to ``directory``) that the hash covers;
-    ``tags`` and ``ldflags`` are passed to ``go build`` and covered by the hash too.
+    ``tags``, ``ldflags`` and ``trimpath`` are passed to ``go build`` and covered by the hash
+    too. ``go_caches`` names the cache folder whose Go caches the build uses (its own by
+    default).
     """
 
     name: str
@@ -41,11 +68,12 @@ class GoRecipe:
     binary: str
     tags: tuple[str, ...] = ()
     ldflags: str = "-s -w"
+    trimpath: bool = True
+    go_caches: str = ""
 
     def hash(self, go_version: str) -> str:
-        sha = hashlib.sha256(
-            "\0".join([go_version, self.package, ",".join(self.tags), self.ldflags]).encode()
-        )
+        options = [go_version, self.package, ",".join(self.tags), self.ldflags]
+        sha = hashlib.sha256("\0".join([*options, str(self.trimpath)]).encode())
         for name in self.files:
             data = (self.directory / name).read_bytes()
             sha.update(f"\0{name}\0{len(data)}\0".encode())
@@ -53,7 +81,7 @@ class GoRecipe:
         return sha.hexdigest()[:12]
 
     def build_argv(self, go: str, output: Path) -> list[str]:
-        argv = [go, "build", "-trimpath", f"-ldflags={self.ldflags}"]
+        argv = [go, "build", *(["-trimpath"] if self.trimpath else []), f"-ldflags={self.ldflags}"]
         if self.tags:
             argv.append(f"-tags={','.join(self.tags)}")
         return [*argv, "-o", str(output), self.package]
@@ -72,7 +100,7 @@ def build_recipe(recipe: GoRecipe, progress: Progress, *, cold_estimate: str) ->
     """The binary of ``recipe``, built on first use (see the module docstring).
 
     ``cold_estimate`` words how long a build with empty Go caches takes, for the progress line.
-    Raises :class:`~tests.harness.kube_apiserver.GoMissing` without Go, and
+    Raises :class:`GoMissing` without Go, and
     :class:`HarnessError` (with the build log's tail) when the build fails.
     """
     go = go_command()
@@ -93,12 +121,7 @@ def build_recipe(recipe: GoRecipe, progress: Progress, *, cold_estimate: str) ->
             log_path,
             timeout_s=_BUILD_TIMEOUT_S,
             cwd=recipe.directory,
-            env={
-                "GOMODCACHE": str(root / "go" / "mod"),
-                "GOCACHE": str(root / "go" / "build"),
-                "GOFLAGS": "-mod=readonly -modcacherw -buildvcs=false",
-                "CGO_ENABLED": "0",
-            },
+            env=go_env(cache_root() / (recipe.go_caches or recipe.name) / "go"),
         )
         partial.replace(binary)  # atomic: a binary in the cache is always a complete one
         progress(f"built {recipe.name} in {time.monotonic() - started:.0f} s: {binary}")

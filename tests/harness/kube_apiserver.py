@@ -18,7 +18,6 @@ nothing garbage-collects.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -33,15 +32,13 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from tests.harness.go_build import GoRecipe, build_recipe
 from tests.harness.system import (
     HarnessError,
     Progress,
-    cache_root,
-    file_lock,
     free_port,
     log_progress,
     log_tail,
-    run_logged,
 )
 
 RECIPE_DIR = Path(__file__).with_name("kube_apiserver")
@@ -69,71 +66,31 @@ _STOP_TIMEOUT_S = 30
 ADMIN_USER = "kvgate-test-admin"
 
 
-class GoMissing(HarnessError):
-    """No ``go`` command: the apiserver cannot be built here (the only reason to skip)."""
-
-
-def go_command() -> str:
-    found = shutil.which("go")
-    if found is None:
-        raise GoMissing("the kube-apiserver tests need Go (https://go.dev/dl/) on PATH")
-    return found
-
-
-def _go_version(go: str) -> str:
-    completed = subprocess.run(
-        [go, "env", "GOVERSION"], capture_output=True, text=True, check=False, timeout=60
+def recipe() -> GoRecipe:
+    return GoRecipe(
+        name="kube-apiserver",
+        directory=RECIPE_DIR,
+        files=_RECIPE_FILES,
+        package=".",
+        binary="kube-apiserver",
+        ldflags=VERSION_LDFLAGS,
+        # The cluster's components share these Go caches (kube_build.py); a change to any
+        # flag here would recompile every package of the module family.
+        trimpath=False,
     )
-    if completed.returncode != 0:
-        raise HarnessError(f"`go env GOVERSION` failed: {completed.stderr.strip()}")
-    return completed.stdout.strip()
 
 
 def recipe_hash(go_version: str) -> str:
-    sha = hashlib.sha256(go_version.encode())
-    sha.update(b"\0ldflags\0" + VERSION_LDFLAGS.encode())
-    for name in _RECIPE_FILES:
-        data = (RECIPE_DIR / name).read_bytes()
-        sha.update(f"\0{name}\0{len(data)}\0".encode())
-        sha.update(data)
-    return sha.hexdigest()[:12]
+    return recipe().hash(go_version)
 
 
 def build(progress: Progress = log_progress) -> Path:
     """The apiserver binary for the current recipe, built on first use (see module docs)."""
-    go = go_command()
-    root = cache_root() / "kube-apiserver"
-    binary = root / f"bin-{recipe_hash(_go_version(go))}" / "kube-apiserver"
-    if binary.exists():
-        return binary
-    with file_lock(root / "build.lock"):
-        if binary.exists():  # built by another session while this one waited
-            return binary
-        log_path = cache_root() / "logs" / "kube-apiserver-build.log"
-        progress(
-            f"building kube-apiserver with embedded etcd (go build; a cold Go cache takes many "
-            f"minutes); log: {log_path}"
-        )
-        started = time.monotonic()
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        partial = binary.with_name("kube-apiserver.partial")
-        run_logged(
-            [go, "build", "-ldflags", VERSION_LDFLAGS, "-o", str(partial), "."],
-            log_path,
-            timeout_s=_BUILD_TIMEOUT_S,
-            cwd=RECIPE_DIR,
-            env={
-                "GOMODCACHE": str(root / "go" / "mod"),
-                "GOCACHE": str(root / "go" / "build"),
-                # go.sum is part of the recipe: a build never rewrites it. A writable module
-                # cache can be deleted with the rest of the harness cache (rm -rf).
-                "GOFLAGS": "-mod=readonly -modcacherw -buildvcs=false",
-                "CGO_ENABLED": "0",
-            },
-        )
-        partial.replace(binary)  # atomic: a binary in the cache is always a complete one
-        progress(f"built kube-apiserver in {time.monotonic() - started:.0f} s: {binary}")
-    return binary
+    return build_recipe(
+        recipe(),
+        progress,
+        cold_estimate="kube-apiserver with embedded etcd: many minutes",
+    )
 
 
 def _https(

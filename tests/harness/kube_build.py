@@ -25,12 +25,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness.kube_apiserver import (
-    KUBERNETES_VERSION,
-    VERSION_LDFLAGS,
-    _go_version,
+from tests.harness.go_build import (
+    GoRecipe,
+    build_recipe,
     go_command,
+    go_env,
+    go_version,
+    recipe_files,
 )
+from tests.harness.kube_apiserver import KUBERNETES_VERSION, VERSION_LDFLAGS
 from tests.harness.kube_apiserver import build as build_apiserver
 from tests.harness.oci_archive import image_tar_from_directory
 from tests.harness.system import (
@@ -75,16 +78,6 @@ def _root() -> Path:
     return cache_root() / "kube-cluster"
 
 
-def _go_env() -> dict[str, str]:
-    go_cache = cache_root() / "kube-apiserver" / "go"
-    return {
-        "GOMODCACHE": str(go_cache / "mod"),
-        "GOCACHE": str(go_cache / "build"),
-        "GOFLAGS": "-mod=readonly -modcacherw -buildvcs=false",
-        "CGO_ENABLED": "0",
-    }
-
-
 def _hash(*parts: bytes) -> str:
     sha = hashlib.sha256()
     for part in parts:
@@ -109,7 +102,7 @@ def build_components(progress: Progress = log_progress) -> Path:
     """The directory holding the four version-stamped component binaries (built on first use)."""
     go = go_command()
     recipe = _hash(
-        _go_version(go).encode(),
+        go_version(go).encode(),
         VERSION_LDFLAGS.encode(),
         " ".join(COMPONENTS).encode(),
         *_recipe_bytes(COMPONENTS_RECIPE),
@@ -142,7 +135,7 @@ def build_components(progress: Progress = log_progress) -> Path:
             log_path,
             timeout_s=_BUILD_TIMEOUT_S,
             cwd=COMPONENTS_RECIPE,
-            env=_go_env(),
+            env=go_env(cache_root() / "kube-apiserver" / "go"),
         )
         (partial / ".complete").touch()
         shutil.rmtree(directory, ignore_errors=True)
@@ -152,29 +145,17 @@ def build_components(progress: Progress = log_progress) -> Path:
 
 
 def build_coredns(progress: Progress = log_progress) -> Path:
-    """The CoreDNS binary of ``coredns/`` (built on first use)."""
-    go = go_command()
-    recipe = _hash(_go_version(go).encode(), *_recipe_bytes(COREDNS_RECIPE))
-    directory = _root() / f"coredns-{recipe}"
-    if _built("coredns", directory):
-        return directory / "coredns"
-    with file_lock(_root() / "build.lock"):
-        if _built("coredns", directory):
-            return directory / "coredns"
-        log_path = cache_root() / "logs" / "coredns-build.log"
-        progress(f"building CoreDNS (about 2 minutes cold); log: {log_path}")
-        started = time.monotonic()
-        directory.mkdir(parents=True, exist_ok=True)
-        run_logged(
-            [go, "build", "-ldflags", "-s -w", "-o", str(directory / "coredns"), "."],
-            log_path,
-            timeout_s=_BUILD_TIMEOUT_S,
-            cwd=COREDNS_RECIPE,
-            env=_go_env(),
-        )
-        (directory / ".complete").touch()
-        progress(f"built CoreDNS in {time.monotonic() - started:.0f} s")
-    return directory / "coredns"
+    """The CoreDNS binary of ``coredns/`` (built on first use, in the apiserver's Go caches)."""
+    recipe = GoRecipe(
+        name="coredns",
+        directory=COREDNS_RECIPE,
+        files=recipe_files(COREDNS_RECIPE),
+        package=".",
+        binary="coredns",
+        trimpath=False,
+        go_caches="kube-apiserver",
+    )
+    return build_recipe(recipe, progress, cold_estimate="about 2 minutes")
 
 
 def cni_plugins(progress: Progress = log_progress) -> Path:

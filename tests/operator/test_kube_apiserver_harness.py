@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.harness import kube_apiserver
-from tests.harness.kube_apiserver import GoMissing, KubeApiServer, build, recipe_hash
+from tests.harness.go_build import GoMissing
+from tests.harness.kube_apiserver import KubeApiServer, build, recipe_hash
 from tests.harness.system import HarnessError
 
 

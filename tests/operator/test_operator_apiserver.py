@@ -35,7 +35,8 @@ from kvgate.protocol.admin import QueueLoad
 from tests.chart.helm import Helm
 from tests.chart.manifests import render
 from tests.chart.value_sets import ValueSet
-from tests.harness.kube_apiserver import GoMissing, KubeApiServer, build
+from tests.harness.go_build import GoMissing
+from tests.harness.kube_apiserver import KubeApiServer, build
 from tests.harness.system import wait_until
 from tests.operator.cluster import NAMESPACE, pool_manifest
 from tests.operator.fake_admin import FakeAdminApi

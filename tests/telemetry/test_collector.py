@@ -27,8 +27,8 @@ from kvgate.protocol.records import ResultStatus
 from kvgate.telemetry import attributes as attr
 from tests.admission_service.helpers import request_body
 from tests.admission_service.kafka_helpers import Topics, produce, read_results
+from tests.harness.go_build import GoMissing
 from tests.harness.kafka import KafkaBroker
-from tests.harness.kube_apiserver import GoMissing
 from tests.harness.otelcol import Collector, build
 from tests.harness.system import progress_to
 from tests.integration.admission_stack import service_settings, start_service

@@ -30,8 +30,8 @@ from tests.admission_service.kafka_helpers import Topics, produce, read_results
 from tests.chart.helm import Helm
 from tests.chart.manifests import Rendered, render
 from tests.chart.value_sets import ValueSet
+from tests.harness.go_build import GoMissing
 from tests.harness.kafka import KafkaBroker
-from tests.harness.kube_apiserver import GoMissing
 from tests.harness.prometheus import Prometheus, build
 from tests.harness.system import progress_to
 from tests.integration.admission_stack import (
