@@ -26,6 +26,7 @@ cache layer view  [num_blocks, block_size, Hkv, D]  (strided in dim 0: other lay
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,9 @@ class AttentionPlan:
     Built by :func:`plan_attention_torch` from three metadata tensors; a call that passes the plan
     must pass those same tensor objects (and must not have changed them in place since). The plan
     also holds the decode groups' workspace, so one thread at a time may use it.
+
+    The torch decode groups are built on first use (:attr:`decode_groups`): a plan whose decode
+    rows run on the compiled kernel never pays for them.
     """
 
     block_tables: torch.Tensor  # int32 [num_rows, max_blocks_per_row], as planned
@@ -81,10 +85,28 @@ class AttentionPlan:
     num_blocks: int
     block_size: int
     padding_tokens: torch.Tensor | None  # int64 [m]: tokens of padding rows; None: no padding
-    decode_groups: tuple[_DecodeGroup, ...]
     decode_rows: torch.Tensor | None  # int64 [m]: rows with one query; None: there are none
     compiled: bool  # decode rows on the compiled kernel (float32 caches) instead of the groups
     chunk_rows: tuple[_ChunkRow, ...]
+    _decode_rows: tuple[int, ...]  # the same rows, for the torch groups
+    _starts: tuple[int, ...]  # query_start_loc's values
+    _lens: tuple[int, ...]  # seq_lens' values
+    _tables: torch.Tensor  # int64 [num_rows, max_blocks_per_row]
+
+    @cached_property
+    def decode_groups(self) -> tuple[_DecodeGroup, ...]:
+        """The decode rows in torch groups (bounded in memory and padding), made once."""
+        if not self._decode_rows:
+            return ()
+        lens, starts = self._lens, self._starts
+        groups = []
+        for rows in _decode_groups(list(self._decode_rows), lens):
+            lengths = [lens[r] for r in rows]
+            slots = DecodeSlots.build(
+                self._tables[rows], torch.tensor(lengths), max(lengths), block_size=self.block_size
+            )
+            groups.append(_DecodeGroup(_token_index([starts[r] for r in rows]), slots))
+        return tuple(groups)
 
     def require_matches(
         self,
@@ -120,7 +142,7 @@ def _token_index(tokens: list[int]) -> torch.Tensor | slice:
     return torch.tensor(tokens, dtype=torch.int64)
 
 
-def _decode_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
+def _decode_groups(rows: list[int], lens: tuple[int, ...]) -> list[list[int]]:
     """Rows sorted by length, cut into groups bounded in gathered memory and in padding.
 
     Rows arrive in their original order; sorting is skipped when one group holds them all.
@@ -159,7 +181,8 @@ def plan_attention_torch(
     """Check the metadata's values once and precompute every layer's gather indices and masks.
 
     ``compiled``: decode rows on the compiled kernel (``kvgate.kernels.cpu``, which must be
-    loaded) where the caches are float32; the torch groups stay ready for other caches.
+    loaded) where the caches are float32; the torch groups are built only if a call's caches
+    are not.
     """
     if compiled and not cpu.loaded():
         raise ValueError(
@@ -179,13 +202,6 @@ def plan_attention_torch(
     q_lens = [starts[r + 1] - starts[r] for r in range(len(lens))]
     padding = [t for r, n in enumerate(lens) if n == 0 for t in range(starts[r], starts[r + 1])]
     decode_rows = [r for r, n in enumerate(lens) if n > 0 and q_lens[r] == 1]
-    groups = []
-    for rows in _decode_groups(decode_rows, lens) if decode_rows else []:
-        lengths = [lens[r] for r in rows]
-        slots = DecodeSlots.build(
-            tables[rows], torch.tensor(lengths), max(lengths), block_size=block_size
-        )
-        groups.append(_DecodeGroup(_token_index([starts[r] for r in rows]), slots))
     chunk_rows = []
     for r, seq_len in enumerate(lens):
         if seq_len == 0 or q_lens[r] <= 1:
@@ -211,10 +227,13 @@ def plan_attention_torch(
         num_blocks=num_blocks,
         block_size=block_size,
         padding_tokens=torch.tensor(padding, dtype=torch.int64) if padding else None,
-        decode_groups=tuple(groups),
         decode_rows=torch.tensor(decode_rows, dtype=torch.int64) if decode_rows else None,
         compiled=compiled,
         chunk_rows=tuple(chunk_rows),
+        _decode_rows=tuple(decode_rows),
+        _starts=tuple(starts),
+        _lens=tuple(lens),
+        _tables=tables,
     )
 
 
@@ -307,21 +326,22 @@ def paged_attention_torch(
         decode_groups: tuple[_DecodeGroup, ...] = ()
     else:
         decode_groups = plan.decode_groups
-    key_table, value_table = row_table(key_cache), row_table(value_cache)
-    for group in decode_groups:
-        q = query[group.tokens]  # [n, num_q_heads, head_dim]
-        if key_table is not None and value_table is not None and key_table[1] == value_table[1]:
-            result = decode_attention(
-                q.float(), key_table[0], value_table[0], key_table[1], key_cache.shape[2],
-                group.slots, softmax_scale,
-            )  # fmt: skip
-        else:
-            keys = _gather_positions(key_cache, group.slots)
-            values = _gather_positions(value_cache, group.slots)
-            hidden = group.slots.hidden
-            visible = None if hidden is None else ~hidden[:, None]  # [n, 1, 1, max_len]
-            result = attend(q[:, :, None], keys, values, visible)[:, :, 0]
-        out[group.tokens] = result.to(out.dtype)
+    if decode_groups:
+        key_table, value_table = row_table(key_cache), row_table(value_cache)
+        for group in decode_groups:
+            q = query[group.tokens]  # [n, num_q_heads, head_dim]
+            if key_table is not None and value_table is not None and key_table[1] == value_table[1]:
+                result = decode_attention(
+                    q.float(), key_table[0], value_table[0], key_table[1], key_cache.shape[2],
+                    group.slots, softmax_scale,
+                )  # fmt: skip
+            else:
+                keys = _gather_positions(key_cache, group.slots)
+                values = _gather_positions(value_cache, group.slots)
+                hidden = group.slots.hidden
+                visible = None if hidden is None else ~hidden[:, None]  # [n, 1, 1, max_len]
+                result = attend(q[:, :, None], keys, values, visible)[:, :, 0]
+            out[group.tokens] = result.to(out.dtype)
 
     for row in plan.chunk_rows:
         keys = _gather_row(key_cache, row)

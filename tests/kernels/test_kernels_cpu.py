@@ -23,7 +23,7 @@ from kvgate import kernels
 from kvgate.gpu_executor.config import RopeScaling
 from kvgate.gpu_executor.layer_ops import CompiledLayerOps, TorchLayerOps, prepare_cpu_kernels
 from kvgate.gpu_executor.rope import RotaryTable
-from kvgate.kernels import cpu
+from kvgate.kernels import cpu, torch_attention
 from tests.kernels.paged_cases import MIXED_ROWS, Row, build_batch
 from tests.kernels.test_kernels_attention import assert_matches_reference
 
@@ -145,6 +145,45 @@ def test_decode_attention_with_mixed_rows() -> None:
     assert_matches_reference(
         batch, kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
     )
+
+
+def _refuse_torch_groups(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the torch decode groups were built")
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_a_compiled_plan_builds_no_torch_groups_for_float32_caches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch = build_batch(DECODE_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    monkeypatch.setattr(torch_attention.DecodeSlots, "build", _refuse_torch_groups)
+    plan = kernels.plan_attention(
+        batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
+        block_size=batch.key_cache.shape[1], compiled=True,
+    )  # fmt: skip
+    for _ in range(2):  # every layer of a step
+        out = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
+        assert_matches_reference(batch, out)
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_a_compiled_plan_still_serves_half_precision_caches() -> None:
+    # The compiled kernel reads float32 only: the torch groups are built on first use.
+    batch = build_batch(
+        DECODE_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
+        dtype=torch.float16,
+    )  # fmt: skip
+    plan = kernels.plan_attention(
+        batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
+        block_size=batch.key_cache.shape[1], compiled=True,
+    )  # fmt: skip
+    assert isinstance(plan, kernels.AttentionPlan)
+    for _ in range(2):
+        out = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
+        assert_matches_reference(batch, out)
+    assert len(plan.decode_groups) >= 1
 
 
 @pytest.mark.usefixtures("compiled_kernels")
