@@ -8,7 +8,7 @@ import json
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -16,6 +16,9 @@ from kvgate.protocol.records import InferenceResult, ResultStatus
 from tests.admission_service.kafka_helpers import produce, read_results
 from tests.cluster.images import ClusterImages
 from tests.harness.kube_cluster import KubeCluster
+
+if TYPE_CHECKING:
+    from tests.cluster.conftest import ClusterHelm
 
 CHART = Path(__file__).parents[2] / "charts" / "kvgate"
 RELEASE = "kvgate"
@@ -40,6 +43,27 @@ def write_values(tmp: Path, values: dict[str, Any]) -> Path:
     path = tmp / f"values-{uuid.uuid4().hex[:6]}.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
+
+
+def install_release(
+    kube: KubeCluster, helm: ClusterHelm, values: Path, *, namespace: str = NAMESPACE
+) -> None:
+    """``helm install --wait`` of the chart as :data:`RELEASE` in ``namespace`` (created), and
+    the executors' token Secret the pools there name."""
+    helm.run(
+        "install", RELEASE, str(CHART), "-n", namespace, "--create-namespace",
+        "-f", str(values), "--wait", "--timeout", "240s", timeout_s=300,
+    )  # fmt: skip
+    kube.kubectl(
+        "-n", namespace, "create", "secret", "generic", TOKEN_SECRET,
+        f"--from-literal=token={uuid.uuid4().hex}",
+    )  # fmt: skip
+
+
+def uninstall_release(kube: KubeCluster, helm: ClusterHelm, *, namespace: str = NAMESPACE) -> None:
+    """The pools first (while the operator still runs to let them go), then the release."""
+    kube.kubectl("delete", "executorpools", "--all", "-n", namespace, check=False)
+    helm.run("uninstall", RELEASE, "-n", namespace, "--wait", check=False)
 
 
 def pool_manifest(

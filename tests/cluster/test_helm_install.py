@@ -34,10 +34,12 @@ from tests.cluster.release import (
     collect,
     executor_pods,
     get_json,
+    install_release,
     pool_manifest,
     pool_ready,
     run_requests,
     text_requests,
+    uninstall_release,
     write_values,
 )
 from tests.harness.kube_cluster import KubeCluster
@@ -68,18 +70,10 @@ def release(
     (and here, if that test did not get to it)."""
     tmp = tmp_path_factory.mktemp("release")
     values = write_values(tmp, chart_values(cluster_images))
-    cluster_helm.run(
-        "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-        "-f", str(values), "--wait", "--timeout", "240s", timeout_s=300,
-    )  # fmt: skip
-    kube.kubectl(
-        "-n", NAMESPACE, "create", "secret", "generic", TOKEN_SECRET,
-        f"--from-literal=token={uuid.uuid4().hex}",
-    )  # fmt: skip
+    install_release(kube, cluster_helm, values)
     yield values
     if cluster_helm.run("status", RELEASE, "-n", NAMESPACE, check=False).returncode == 0:
-        kube.kubectl("delete", "executorpools", "--all", "-n", NAMESPACE, check=False)
-        cluster_helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", check=False)
+        uninstall_release(kube, cluster_helm)
 
 
 def test_install_then_text_in_text_out(

@@ -33,17 +33,16 @@ from tests.chart.value_sets import ValueSet
 from tests.cluster.conftest import ClusterHelm, wait_for
 from tests.cluster.images import ClusterImages
 from tests.cluster.release import (
-    CHART,
-    RELEASE,
-    TOKEN_SECRET,
     answered_once,
     chart_values,
     collect,
     get_json,
+    install_release,
     pool_manifest,
     pool_ready,
     run_requests,
     text_requests,
+    uninstall_release,
     write_values,
 )
 from tests.harness import otelcol, prometheus
@@ -268,19 +267,11 @@ def pool_release(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[None]:
     values = write_values(tmp_path_factory.mktemp("obs-release"), chart_values(cluster_images))
-    cluster_helm.run(
-        "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-        "-f", str(values), "--wait", "--timeout", "240s", timeout_s=300,
-    )  # fmt: skip
-    kube.kubectl(
-        "-n", NAMESPACE, "create", "secret", "generic", TOKEN_SECRET,
-        f"--from-literal=token={uuid.uuid4().hex}",
-    )  # fmt: skip
+    install_release(kube, cluster_helm, values, namespace=NAMESPACE)
     try:
         yield
     finally:
-        kube.kubectl("delete", "executorpools", "--all", "-n", NAMESPACE, check=False)
-        cluster_helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", check=False)
+        uninstall_release(kube, cluster_helm, namespace=NAMESPACE)
 
 
 def _spans(spans_dir: Path) -> list[ReceivedSpan]:

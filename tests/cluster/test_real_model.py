@@ -21,15 +21,14 @@ import pytest
 from tests.cluster.conftest import ClusterHelm, wait_for
 from tests.cluster.images import ClusterImages, build_cpu_executor
 from tests.cluster.release import (
-    CHART,
-    RELEASE,
-    TOKEN_SECRET,
     answered_once,
     chart_values,
     collect,
+    install_release,
     pool_manifest,
     pool_ready,
     run_requests,
+    uninstall_release,
     write_values,
 )
 from tests.harness.docker_engine import docker_engine
@@ -60,19 +59,11 @@ def real_release(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[None]:
     values = write_values(tmp_path_factory.mktemp("real"), chart_values(cluster_images))
-    cluster_helm.run(
-        "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-        "-f", str(values), "--wait", "--timeout", "240s", timeout_s=300,
-    )  # fmt: skip
-    kube.kubectl(
-        "-n", NAMESPACE, "create", "secret", "generic", TOKEN_SECRET,
-        f"--from-literal=token={uuid.uuid4().hex}",
-    )  # fmt: skip
+    install_release(kube, cluster_helm, values, namespace=NAMESPACE)
     try:
         yield
     finally:
-        kube.kubectl("delete", "executorpools", "--all", "-n", NAMESPACE, check=False)
-        cluster_helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", check=False)
+        uninstall_release(kube, cluster_helm, namespace=NAMESPACE)
 
 
 def test_smollm2_answers_text(

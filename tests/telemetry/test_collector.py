@@ -27,10 +27,8 @@ from kvgate.protocol.records import ResultStatus
 from kvgate.telemetry import attributes as attr
 from tests.admission_service.helpers import request_body
 from tests.admission_service.kafka_helpers import Topics, produce, read_results
-from tests.harness.go_build import GoMissing
 from tests.harness.kafka import KafkaBroker
-from tests.harness.otelcol import Collector, build
-from tests.harness.system import progress_to
+from tests.harness.otelcol import Collector
 from tests.integration.admission_stack import service_settings, start_service
 from tests.reliability.processes import spawn_real_executor, wait_executor_ready
 from tests.telemetry.otlp_receivers import ReceivedSpan
@@ -47,15 +45,6 @@ EXECUTOR_POD = "pool-a-executor-0"
 ADMISSION_POD = "pool-a-admission-6d4f9-x2k8q"
 REQUESTS = 3
 VOCAB = 128  # the tiny checkpoint's
-
-
-@pytest.fixture(scope="module")
-def collector_binary(pytestconfig: pytest.Config) -> Path:
-    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    try:
-        return build(progress_to(reporter, "kvgate harness"))
-    except GoMissing as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,8 @@ from tests.admission_service.kafka_helpers import Topics, produce, read_results
 from tests.chart.helm import Helm
 from tests.chart.manifests import Rendered, render
 from tests.chart.value_sets import ValueSet
-from tests.harness.go_build import GoMissing
 from tests.harness.kafka import KafkaBroker
-from tests.harness.prometheus import Prometheus, build
-from tests.harness.system import progress_to
+from tests.harness.prometheus import Prometheus
 from tests.integration.admission_stack import (
     GATEWAY_KEY,
     service_settings,
@@ -77,15 +75,6 @@ MONITORING = ValueSet(
         },
     },
 )
-
-
-@pytest.fixture(scope="module")
-def prometheus_binary(pytestconfig: pytest.Config) -> Path:
-    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    try:
-        return build(progress_to(reporter, "kvgate harness"))
-    except GoMissing as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
