@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import time
 
 import pytest
 
+from tests.cluster.conftest import wait_for
 from tests.harness.kube_build import COREDNS_IMAGE, KUBERNETES_VERSION
 from tests.harness.kube_cluster import (
     CLUSTER_DOMAIN,
@@ -24,17 +24,6 @@ from tests.harness.kube_cluster import (
 pytestmark = pytest.mark.cluster
 LEAK_LINK = "kvgate-leak"
 SINK_NETNS = "kvgate-sink"
-
-
-def _wait_for(condition, what: str, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def test_node_ready_with_version_and_fake_gpus(kube: KubeCluster) -> None:
@@ -87,14 +76,14 @@ def test_pod_runs_and_answers_from_the_host(kube: KubeCluster) -> None:
                 return str(got["status"].get("podIP", ""))
             return ""
 
-        pod_ip = _wait_for(running_ip, "the probe pod to run")
+        pod_ip = wait_for(running_ip, "the probe pod to run")
         assert pod_ip.startswith("10.244.0.")
 
         def health() -> str:
             status, body = http_get(f"http://{pod_ip}:8080/health", timeout_s=1)
             return body if status == 200 else ""
 
-        assert _wait_for(health, "the probe pod's health endpoint").strip() == "OK"
+        assert wait_for(health, "the probe pod's health endpoint").strip() == "OK"
         # Cluster DNS through the kube-dns Service (kube-proxy's rules, CoreDNS's pod).
         name = f"kube-dns.kube-system.svc.{CLUSTER_DOMAIN}"
         assert dns_query_a(DNS_SERVICE_IP, name) == [DNS_SERVICE_IP]

@@ -912,16 +912,20 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 
     def _import(self, tar: Path) -> None:
         with tar.open("rb") as handle:
-            completed = subprocess.run(
-                self._ctr("images", "import", "-"),
-                stdin=handle,
-                capture_output=True,
-                timeout=600,
-                check=False,
-            )
+            self._import_archive(handle, str(tar))
+
+    def _import_archive(self, archive: IO[bytes], what: str) -> None:
+        """``ctr images import -`` of a docker-archive read from ``archive``."""
+        completed = subprocess.run(
+            self._ctr("images", "import", "-"),
+            stdin=archive,
+            capture_output=True,
+            timeout=600,
+            check=False,
+        )
         if completed.returncode != 0:
             raise HarnessError(
-                f"ctr images import {tar} failed: {completed.stderr.decode(errors='replace')}"
+                f"ctr images import {what} failed: {completed.stderr.decode(errors='replace')}"
             )
 
     def import_image_tar(self, tar: Path) -> None:
@@ -944,17 +948,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             if save.returncode != 0:
                 raise HarnessError(f"docker save {reference}: {save.stderr.decode().strip()}")
             archive.seek(0)
-            completed = subprocess.run(
-                self._ctr("images", "import", "-"),
-                stdin=archive,
-                capture_output=True,
-                timeout=600,
-                check=False,
-            )
-        if completed.returncode != 0:
-            raise HarnessError(
-                f"importing {reference}: {completed.stderr.decode(errors='replace')}"
-            )
+            self._import_archive(archive, reference)
 
     def images(self) -> list[str]:
         """References of the images in the cluster's runtime."""
