@@ -5,9 +5,10 @@ offsets, lengths: the same for every layer of a step) and turns it into an :clas
 of index tensors and masks. :func:`paged_attention_torch` then runs one layer with that plan and
 touches no Python lists:
 
-* decode rows (one query each), on a plan made with ``compiled=True``: all of them in one call
-  of the compiled kernel (``kvgate.kernels.cpu``), which reads K and V in place through the block
-  tables (float32 caches); otherwise sorted by length and batched in groups bounded in memory and in
+* on a plan made with ``compiled=True``, where the caches are float32: every row, decode and
+  prefill alike, in one call of the compiled kernel (``kvgate.kernels.cpu``), which reads K and
+  V in place through the block tables, each query token up to its own position. Otherwise:
+* decode rows (one query each) sorted by length and batched in groups bounded in memory and in
   padding: :mod:`torch_decode` reads them straight from the cache (float32 caches whose head
   vectors are packed, which is how the executor lays them out); otherwise each position's K/V is
   gathered, upcast to float32 and handed to torch's ``scaled_dot_product_attention``;
@@ -74,8 +75,8 @@ class AttentionPlan:
     must pass those same tensor objects (and must not have changed them in place since). The plan
     also holds the decode groups' workspace, so one thread at a time may use it.
 
-    The torch decode groups are built on first use (:attr:`decode_groups`): a plan whose decode
-    rows run on the compiled kernel never pays for them.
+    The torch decode groups and prefill chunks are built on first use (:attr:`decode_groups`,
+    :attr:`chunk_rows`): a plan whose rows run on the compiled kernel never pays for them.
     """
 
     block_tables: torch.Tensor  # int32 [num_rows, max_blocks_per_row], as planned
@@ -86,8 +87,9 @@ class AttentionPlan:
     block_size: int
     padding_tokens: torch.Tensor | None  # int64 [m]: tokens of padding rows; None: no padding
     decode_rows: torch.Tensor | None  # int64 [m]: rows with one query; None: there are none
-    compiled: bool  # decode rows on the compiled kernel (float32 caches) instead of the groups
-    chunk_rows: tuple[_ChunkRow, ...]
+    # int64 [m]: every row with queries, for the compiled kernel; None: not compiled, or no rows
+    compiled_rows: torch.Tensor | None
+    compiled: bool  # rows on the compiled kernel (float32 caches) instead of the torch paths
     _decode_rows: tuple[int, ...]  # the same rows, for the torch groups
     _starts: tuple[int, ...]  # query_start_loc's values
     _lens: tuple[int, ...]  # seq_lens' values
@@ -107,6 +109,30 @@ class AttentionPlan:
             )
             groups.append(_DecodeGroup(_token_index([starts[r] for r in rows]), slots))
         return tuple(groups)
+
+    @cached_property
+    def chunk_rows(self) -> tuple[_ChunkRow, ...]:
+        """Rows with several queries, cut into query chunks with their causal masks, made once."""
+        starts, lens, block_size = self._starts, self._lens, self.block_size
+        rows = []
+        for r, seq_len in enumerate(lens):
+            q_begin, q_end = starts[r], starts[r + 1]
+            if seq_len == 0 or q_end - q_begin <= 1:
+                continue
+            # Token t of the row sits at first_position + t - q_begin.
+            first_position = seq_len - (q_end - q_begin)
+            chunks = []
+            for begin in range(q_begin, q_end, _MAX_QUERY_CHUNK):
+                end = min(begin + _MAX_QUERY_CHUNK, q_end)
+                positions = torch.arange(begin - q_begin, end - q_begin) + first_position
+                visible_len = first_position + end - q_begin
+                visible = None
+                if end - begin > 1:
+                    visible = (torch.arange(visible_len)[None, :] <= positions[:, None])[None, None]
+                chunks.append(_QueryChunk(slice(begin, end), visible_len, visible))
+            block_ids = self._tables[r, : -(-seq_len // block_size)]
+            rows.append(_ChunkRow(block_ids, seq_len, tuple(chunks)))
+        return tuple(rows)
 
     def require_matches(
         self,
@@ -180,14 +206,12 @@ def plan_attention_torch(
 ) -> AttentionPlan:
     """Check the metadata's values once and precompute every layer's gather indices and masks.
 
-    ``compiled``: decode rows on the compiled kernel (``kvgate.kernels.cpu``, which must be
-    loaded) where the caches are float32; the torch groups are built only if a call's caches
-    are not.
+    ``compiled``: every row on the compiled kernel (``kvgate.kernels.cpu``, which must be
+    loaded) where the caches are float32; the torch groups and chunks are built only if a
+    call's caches are not.
     """
     if compiled and not cpu.loaded():
-        raise ValueError(
-            "compiled decode attention asked for, but kvgate.kernels.cpu is not loaded"
-        )
+        raise ValueError("compiled attention asked for, but kvgate.kernels.cpu is not loaded")
     check_attention_metadata(
         block_tables,
         query_start_loc,
@@ -202,23 +226,7 @@ def plan_attention_torch(
     q_lens = [starts[r + 1] - starts[r] for r in range(len(lens))]
     padding = [t for r, n in enumerate(lens) if n == 0 for t in range(starts[r], starts[r + 1])]
     decode_rows = [r for r, n in enumerate(lens) if n > 0 and q_lens[r] == 1]
-    chunk_rows = []
-    for r, seq_len in enumerate(lens):
-        if seq_len == 0 or q_lens[r] <= 1:
-            continue
-        q_begin, q_end = starts[r], starts[r + 1]
-        first_position = seq_len - q_lens[r]  # query token t sits at first_position + t - q_begin
-        chunks = []
-        for begin in range(q_begin, q_end, _MAX_QUERY_CHUNK):
-            end = min(begin + _MAX_QUERY_CHUNK, q_end)
-            positions = torch.arange(begin - q_begin, end - q_begin) + first_position
-            visible_len = first_position + end - q_begin
-            visible = None
-            if end - begin > 1:
-                visible = (torch.arange(visible_len)[None, :] <= positions[:, None])[None, None]
-            chunks.append(_QueryChunk(slice(begin, end), visible_len, visible))
-        block_ids = tables[r, : -(-seq_len // block_size)]
-        chunk_rows.append(_ChunkRow(block_ids, seq_len, tuple(chunks)))
+    attended = [r for r, n in enumerate(lens) if n > 0 and q_lens[r] >= 1]
     return AttentionPlan(
         block_tables=block_tables,
         query_start_loc=query_start_loc,
@@ -228,8 +236,10 @@ def plan_attention_torch(
         block_size=block_size,
         padding_tokens=torch.tensor(padding, dtype=torch.int64) if padding else None,
         decode_rows=torch.tensor(decode_rows, dtype=torch.int64) if decode_rows else None,
+        compiled_rows=(
+            torch.tensor(attended, dtype=torch.int64) if compiled and attended else None
+        ),
         compiled=compiled,
-        chunk_rows=tuple(chunk_rows),
         _decode_rows=tuple(decode_rows),
         _starts=tuple(starts),
         _lens=tuple(lens),
@@ -261,7 +271,7 @@ def _gather_positions(
 def _compiled_reads(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor
 ) -> bool:
-    """The compiled decode kernel reads float32 with contiguous head vectors (any strides else)
+    """The compiled kernel reads float32 with contiguous head vectors (any strides else)
     and K and V caches laid out alike, as the executor's are."""
     tensors = (query, key_cache, value_cache, out)
     same_layout = key_cache.stride() == value_cache.stride()
@@ -314,18 +324,14 @@ def paged_attention_torch(
             enable_gqa=True,
         )
 
-    if (
-        plan.decode_rows is not None
-        and plan.compiled
-        and _compiled_reads(query, key_cache, value_cache, out)
-    ):
-        torch.ops.kvgate_cpu.decode_attention(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-            plan.decode_rows, softmax_scale, out,
-        )  # fmt: skip
-        decode_groups: tuple[_DecodeGroup, ...] = ()
-    else:
-        decode_groups = plan.decode_groups
+    if plan.compiled and _compiled_reads(query, key_cache, value_cache, out):
+        if plan.compiled_rows is not None:
+            torch.ops.kvgate_cpu.paged_attention(
+                query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                plan.compiled_rows, softmax_scale, out,
+            )  # fmt: skip
+        return out
+    decode_groups = plan.decode_groups
     if decode_groups:
         key_table, value_table = row_table(key_cache), row_table(value_cache)
         for group in decode_groups:

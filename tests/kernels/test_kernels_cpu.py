@@ -24,7 +24,7 @@ from kvgate.gpu_executor.config import RopeScaling
 from kvgate.gpu_executor.layer_ops import CompiledLayerOps, TorchLayerOps, prepare_cpu_kernels
 from kvgate.gpu_executor.rope import RotaryTable
 from kvgate.kernels import cpu, torch_attention
-from tests.kernels.paged_cases import MIXED_ROWS, Row, build_batch
+from tests.kernels.paged_cases import MIXED_ROWS, PagedBatch, Row, build_batch
 from tests.kernels.test_kernels_attention import assert_matches_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,17 +110,12 @@ def test_write_kv_matches_index_put_bit_for_bit() -> None:
     assert not caches[2][:, 1].isnan().all()
 
 
-@pytest.mark.usefixtures("compiled_kernels")
-@pytest.mark.parametrize(
-    ("num_q_heads", "num_kv_heads", "head_dim"),
-    [(4, 4, 64), (9, 3, 64), (6, 1, 128), (4, 2, 40)],
-    ids=["mha", "gqa3", "mqa6-d128", "gqa2-d40"],
-)
-def test_decode_attention_in_place(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    batch = build_batch(
-        DECODE_ROWS, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=8,
-    )  # fmt: skip
+# Decode rows and prefill chunks: without context (longer than 16 positions, the vectorized
+# kernel's chunk), with context across blocks, and a single-token prompt.
+PREFILL_ROWS = [Row(40, 40), Row(1, 23), Row(37, 100), Row(0, 0), Row(3, 3), Row(1, 1)]
+
+
+def _compiled_and_torch(batch: PagedBatch) -> dict[bool, torch.Tensor]:
     results = {}
     for compiled in (False, True):
         plan = kernels.plan_attention(
@@ -129,34 +124,51 @@ def test_decode_attention_in_place(num_q_heads: int, num_kv_heads: int, head_dim
             block_size=batch.key_cache.shape[1], compiled=compiled,
         )  # fmt: skip
         results[compiled] = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
+    return results
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 64), (9, 3, 64), (6, 1, 128), (4, 2, 40)],
+    ids=["mha", "gqa3", "mqa6-d128", "gqa2-d40"],
+)
+@pytest.mark.parametrize("rows", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
+def test_attention_in_place(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, rows: list[Row]
+) -> None:
+    batch = build_batch(
+        rows, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=8,
+    )  # fmt: skip
+    results = _compiled_and_torch(batch)
     assert_matches_reference(batch, results[True])
     # Against the torch path: float32 sums in another order, exp by a polynomial.
     torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.usefixtures("compiled_kernels")
-def test_decode_attention_with_mixed_rows() -> None:
-    batch = build_batch(MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4)
-    plan = kernels.plan_attention(
-        batch.block_tables, batch.query_start_loc, batch.seq_lens,
-        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
-        block_size=batch.key_cache.shape[1], compiled=True,
-    )  # fmt: skip
-    assert_matches_reference(
-        batch, kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_attention_with_mixed_rows(block_size: int) -> None:
+    batch = build_batch(
+        MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size
     )
+    results = _compiled_and_torch(batch)
+    assert_matches_reference(batch, results[True])
+    torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=2e-6)
 
 
 def _refuse_torch_groups(*args: object, **kwargs: object) -> None:
-    raise AssertionError("the torch decode groups were built")
+    raise AssertionError("the torch decode groups or prefill chunks were built")
 
 
 @pytest.mark.usefixtures("compiled_kernels")
 def test_a_compiled_plan_builds_no_torch_groups_for_float32_caches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    batch = build_batch(DECODE_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    batch = build_batch(MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
     monkeypatch.setattr(torch_attention.DecodeSlots, "build", _refuse_torch_groups)
+    monkeypatch.setattr(torch_attention, "_QueryChunk", _refuse_torch_groups)
     plan = kernels.plan_attention(
         batch.block_tables, batch.query_start_loc, batch.seq_lens,
         num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
@@ -171,7 +183,7 @@ def test_a_compiled_plan_builds_no_torch_groups_for_float32_caches(
 def test_a_compiled_plan_still_serves_half_precision_caches() -> None:
     # The compiled kernel reads float32 only: the torch groups are built on first use.
     batch = build_batch(
-        DECODE_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
+        MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
         dtype=torch.float16,
     )  # fmt: skip
     plan = kernels.plan_attention(
@@ -183,7 +195,7 @@ def test_a_compiled_plan_still_serves_half_precision_caches() -> None:
     for _ in range(2):
         out = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
         assert_matches_reference(batch, out)
-    assert len(plan.decode_groups) >= 1
+    assert len(plan.decode_groups) >= 1 and len(plan.chunk_rows) >= 1
 
 
 @pytest.mark.usefixtures("compiled_kernels")

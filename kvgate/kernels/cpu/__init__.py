@@ -50,7 +50,7 @@ class LoadResult:
 
 def loaded() -> bool:
     """Whether ``torch.ops.kvgate_cpu`` holds the compiled kernels in this process."""
-    return hasattr(torch.ops.kvgate_cpu, "decode_attention")
+    return hasattr(torch.ops.kvgate_cpu, "paged_attention")
 
 
 def _cpu_flags() -> str:

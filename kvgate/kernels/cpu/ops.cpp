@@ -2,11 +2,14 @@
 // forward, each one pass over its data, registered as torch.ops.kvgate_cpu.*.
 //
 // Built once per machine by kvgate/kernels/cpu/__init__.py (torch.utils.cpp_extension, -O3
-// -march=native -ffp-contract=off: no fused multiply-adds, so an element-wise formula rounds
-// exactly as the torch expression it replaces). The torch expressions they replace are the
-// specification: TorchLayerOps in kvgate/gpu_executor/layer_ops.py (norms, SiLU, RoPE),
-// write_kv_torch in kvgate/kernels/torch_ops.py, the decode path of torch_attention.py;
-// tests/kernels/test_kernels_cpu.py compares each kernel with them.
+// -march=native -ffp-contract=off: no fused multiply-adds unless written as such, so an
+// element-wise formula rounds exactly as the torch expression it replaces). The torch
+// expressions they replace are the specification: TorchLayerOps in
+// kvgate/gpu_executor/layer_ops.py (norms, SiLU, RoPE), write_kv_torch in
+// kvgate/kernels/torch_ops.py, the decode and prefill paths of torch_attention.py;
+// tests/kernels/test_kernels_cpu.py compares each kernel with them. Attention has AVX-512 forms
+// (explicit multiply-adds, vectors summed as trees) for head dimensions 64 and 128 where the
+// compiler targets AVX-512, and a portable form for every other case.
 //
 // Shapes (every pointer argument):
 //   rms_norm        x [n, H], weight [H]                         -> [n, H]
@@ -16,14 +19,18 @@
 //                   `rotated_heads` heads rotated in place
 //   write_kv        key, value [n, Hkv, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
 //                   (strided in dim 0); slots int64 [n] (negative: skipped)
-//   decode_attention query [T, Hq, D]; key_cache, value_cache as above; block_tables int32 [R, W];
-//                   query_start_loc int32 [R + 1]; seq_lens int32 [R]; rows int64 [m] (decode
-//                   rows: one query each); out [T, Hq, D]: row r's query token written
+//   paged_attention query [T, Hq, D]; key_cache, value_cache as above; block_tables int32 [R, W];
+//                   query_start_loc int32 [R + 1]; seq_lens int32 [R]; rows int64 [m] (rows
+//                   with at least one query); out [T, Hq, D]: the listed rows' tokens written
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -230,33 +237,58 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
   });
 }
 
-// One decode row, one KV head: its `group` query heads over positions [0, len). Scores first
-// (each K vector read once for the whole group), then softmax, then the weighted sum of V.
+// Positions ahead of the one being read whose K (or V) vectors are prefetched: a position's
+// vectors for all KV heads are one contiguous run (kv_heads * head_dim floats), and blocks are
+// scattered, so the hardware's stream prefetcher stops at each block's end; reading a few
+// positions ahead keeps the next block's first lines in flight.
+constexpr int64_t kPrefetchPositions = 4;
+
+inline void prefetch_run(const float* at, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(at + i, 0, 0);
+}
+
+// One query token (a decode row, or one token of a prefill chunk), all its query heads over
+// positions [0, len). Each position's K vectors (every
+// KV head's, contiguous in the cache) are read once, scored against the query heads of each KV
+// head's group; then a softmax per query head; then V read the same way into the weighted sums.
+// Per query head the arithmetic and its order are those of one head at a time (the dot product
+// over the head dimension, the softmax over positions, the sum over positions in order).
 // kD: the head dimension when known at compile time (fully unrolled dot products), else 0.
 template <int64_t kD>
-void decode_one(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
-                int64_t cs0, int64_t cs1, const int32_t* table, int64_t block_size, int64_t len,
-                int64_t group, int64_t head_dim, float scale, float* out, int64_t out_head_stride,
-                std::vector<float>& scores, std::vector<float>& scaled_q) {
+void attend_token(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
+                  int64_t cs0, int64_t cs1, int64_t cs2, const int32_t* table,
+                  int64_t block_size, int64_t len, int64_t kv_heads, int64_t group,
+                  int64_t head_dim, float scale, float* out, int64_t out_head_stride,
+                  std::vector<float>& scores, std::vector<float>& scaled_q) {
   const int64_t d = kD ? kD : head_dim;
-  scores.resize(group * len);
-  scaled_q.resize(group * d);
-  for (int64_t j = 0; j < group; ++j) {
+  const int64_t q_heads = kv_heads * group;
+  const int64_t run = (kv_heads - 1) * cs2 + d;  // floats of one position, all KV heads
+  scores.resize(q_heads * len);
+  scaled_q.resize(q_heads * d);
+  for (int64_t h = 0; h < q_heads; ++h) {
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) scaled_q[j * d + i] = q[j * q_head_stride + i] * scale;
+    for (int64_t i = 0; i < d; ++i) scaled_q[h * d + i] = q[h * q_head_stride + i] * scale;
   }
+  auto position = [&](const float* cache, int64_t p) {
+    return cache + table[p / block_size] * cs0 + (p % block_size) * cs1;
+  };
   for (int64_t p = 0; p < len; ++p) {
-    const float* k = kc + table[p / block_size] * cs0 + (p % block_size) * cs1;
-    for (int64_t j = 0; j < group; ++j) {
-      const float* qj = scaled_q.data() + j * d;
-      float dot = 0.0f;
+    if (p + kPrefetchPositions < len) prefetch_run(position(kc, p + kPrefetchPositions), run);
+    const float* k = position(kc, p);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const float* kg = k + g * cs2;
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j;
+        const float* qh = scaled_q.data() + h * d;
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < d; ++i) dot += qj[i] * k[i];
-      scores[j * len + p] = dot;
+        for (int64_t i = 0; i < d; ++i) dot += qh[i] * kg[i];
+        scores[h * len + p] = dot;
+      }
     }
   }
-  for (int64_t j = 0; j < group; ++j) {
-    float* s = scores.data() + j * len;
+  for (int64_t h = 0; h < q_heads; ++h) {
+    float* s = scores.data() + h * len;
     float top = s[0];
 #pragma omp simd reduction(max : top)
     for (int64_t p = 1; p < len; ++p) top = s[p] > top ? s[p] : top;
@@ -269,24 +301,254 @@ void decode_one(const float* q, int64_t q_head_stride, const float* kc, const fl
     const float inv = 1.0f / total;
 #pragma omp simd
     for (int64_t p = 0; p < len; ++p) s[p] *= inv;
-    float* o = out + j * out_head_stride;
+    float* o = out + h * out_head_stride;
     std::fill(o, o + d, 0.0f);
   }
   for (int64_t p = 0; p < len; ++p) {
-    const float* v = vc + table[p / block_size] * cs0 + (p % block_size) * cs1;
-    for (int64_t j = 0; j < group; ++j) {
-      const float w = scores[j * len + p];
-      float* o = out + j * out_head_stride;
+    if (p + kPrefetchPositions < len) prefetch_run(position(vc, p + kPrefetchPositions), run);
+    const float* v = position(vc, p);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const float* vg = v + g * cs2;
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j;
+        const float w = scores[h * len + p];
+        float* o = out + h * out_head_stride;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
+        for (int64_t i = 0; i < d; ++i) o[i] += w * vg[i];
+      }
     }
   }
 }
 
-void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
-                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                      const at::Tensor& rows, double softmax_scale, at::Tensor out) {
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes: the same operations in the same order (bit for bit the same results
+// for inputs that are not NaN).
+inline __m512 exp_approx16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), magic), magic);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(kLn2Hi))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(kLn2Lo)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f}) {
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  }
+  const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
+                                 _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// s[0, n) <- softmax(s[0, n)), n >= 1: the maximum and the sum reduced as trees over 16 lanes
+// (a short loop's cost is otherwise the lanes' serial reduction at its end).
+inline void softmax_avx512(float* s, int64_t n) {
+  const int64_t full = n / 16 * 16;
+  const auto tail = static_cast<__mmask16>((1u << (n - full)) - 1u);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < full; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + i));
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + full));
+  const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vtop));
+    _mm512_storeu_ps(s + i, e);
+    total = _mm512_add_ps(total, e);
+  }
+  const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), vtop));
+  _mm512_mask_storeu_ps(s + full, tail, e);
+  total = _mm512_mask_add_ps(total, tail, total, e);
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  for (int64_t i = 0; i < full; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  _mm512_mask_storeu_ps(s + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + full), inv));
+}
+
+// Lane p of the result: the sum of the 16 lanes of v[p], for p = 0..15 (a transpose folded into
+// the additions: 15 vector adds for 16 sums, where one horizontal sum at a time costs 16 scalar
+// adds in a chain).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8], quads[4], octets[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (a, b, a, b) partial sums of v[2i], v[2i+1]
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of 4 vectors
+    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // lanes (0, 1): vectors 8i..8i+3, lanes (2, 3): 8i+4..8i+7
+    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    octets[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// attend_token for a head dimension of 16 * kC floats, on AVX-512, in the same order of memory
+// reads (position by position, every KV head's vectors of a position together, a few positions
+// prefetched ahead). A query head's dot product with a K vector is kC multiply-adds in vector
+// lanes, kept until 16 positions are done and then summed 16 at a time by sum_lanes16; V is
+// accumulated with multiply-adds. Fused multiply-adds and another summation order than
+// attend_token: last-bit differences from it and from the torch path, within the tests'
+// tolerances.
+template <int64_t kC>
+void attend_token_avx512(const float* q, int64_t q_head_stride, const float* kc,
+                         const float* vc, int64_t cs0, int64_t cs1, int64_t cs2,
+                         const int32_t* table, int64_t block_size, int64_t len,
+                         int64_t kv_heads, int64_t group, float scale, float* out,
+                         int64_t out_head_stride, std::vector<float>& scores,
+                         std::vector<float>& lanes) {
+  constexpr int64_t d = 16 * kC;
+  const int64_t q_heads = kv_heads * group;
+  const int64_t run = (kv_heads - 1) * cs2 + d;
+  const int64_t padded = (len + 15) / 16 * 16;
+  scores.resize(q_heads * padded);
+  lanes.resize(q_heads * 16 * 16);  // per query head, 16 positions' vectors of partial sums
+  auto position = [&](const float* cache, int64_t p) {
+    return cache + table[p / block_size] * cs0 + (p % block_size) * cs1;
+  };
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t p0 = 0; p0 < len; p0 += 16) {
+    const int64_t count = std::min<int64_t>(16, len - p0);
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t p = p0 + i;
+      if (i >= count) {  // past the row's end: sums of zeros, not read back
+        for (int64_t h = 0; h < q_heads; ++h) {
+          _mm512_storeu_ps(lanes.data() + (h * 16 + i) * 16, _mm512_setzero_ps());
+        }
+        continue;
+      }
+      if (p + kPrefetchPositions < len) prefetch_run(position(kc, p + kPrefetchPositions), run);
+      const float* k = position(kc, p);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        __m512 kv[kC];
+        for (int64_t c = 0; c < kC; ++c) kv[c] = _mm512_loadu_ps(k + g * cs2 + 16 * c);
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t h = g * group + j;
+          const float* qh = q + h * q_head_stride;
+          __m512 acc = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(qh), vscale), kv[0]);
+          for (int64_t c = 1; c < kC; ++c) {
+            acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(qh + 16 * c), vscale), kv[c], acc);
+          }
+          _mm512_storeu_ps(lanes.data() + (h * 16 + i) * 16, acc);
+        }
+      }
+    }
+    for (int64_t h = 0; h < q_heads; ++h) {
+      __m512 v[16];
+      for (int64_t i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(lanes.data() + (h * 16 + i) * 16);
+      _mm512_storeu_ps(scores.data() + h * padded + p0, sum_lanes16(v));
+    }
+  }
+  for (int64_t h = 0; h < q_heads; ++h) {
+    softmax_avx512(scores.data() + h * padded, len);
+    float* o = out + h * out_head_stride;
+    for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_setzero_ps());
+  }
+  for (int64_t p = 0; p < len; ++p) {
+    if (p + kPrefetchPositions < len) prefetch_run(position(vc, p + kPrefetchPositions), run);
+    const float* v = position(vc, p);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      __m512 vv[kC];
+      for (int64_t c = 0; c < kC; ++c) vv[c] = _mm512_loadu_ps(v + g * cs2 + 16 * c);
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j;
+        const __m512 w = _mm512_set1_ps(scores[h * padded + p]);
+        float* o = out + h * out_head_stride;
+        for (int64_t c = 0; c < kC; ++c) {
+          _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(w, vv[c], _mm512_loadu_ps(o + 16 * c)));
+        }
+      }
+    }
+  }
+}
+
+// A prefill chunk's query tokens, 16 at a time, for one KV head: the GEMM-shaped form of
+// attend_token_avx512 for rows with many queries. The head's K vectors of the positions the
+// tokens see are transposed once into 16-position panels (dimension-major), so that a tile of 16
+// tokens is scored against 16 positions by multiply-adds of one panel row with each token's
+// broadcast query element (no horizontal sums); softmax per token over the positions it sees
+// (causal: token t of the row, at position first + t, sees [0, first + t]); then the weighted
+// sums of V, 16 tokens per V vector read. Positions past the tile's last visible one are never
+// read, so unwritten cache slots (any bits) do not reach the output.
+template <int64_t kC>
+void attend_chunk_avx512(const float* qp, int64_t qs0, int64_t qs1, const float* kc,
+                         const float* vc, const int64_t* offsets, int64_t cs2, int64_t first,
+                         int64_t q_len, int64_t g, int64_t group, float scale, float* op,
+                         int64_t os0, int64_t os1, std::vector<float>& panels,
+                         std::vector<float>& scores, std::vector<float>& tile_q) {
+  constexpr int64_t d = 16 * kC;
+  const int64_t seen = first + q_len;  // positions the last token sees
+  const int64_t chunks = (seen + 15) / 16;
+  panels.assign(chunks * d * 16, 0.0f);  // panel c, dimension i, position lane: K[16 c + lane][i]
+  for (int64_t p = 0; p < seen; ++p) {
+    const float* k = kc + offsets[p] + g * cs2;
+    float* panel = panels.data() + (p / 16) * d * 16 + p % 16;
+    for (int64_t i = 0; i < d; ++i) panel[i * 16] = k[i];
+  }
+  const int64_t width = chunks * 16;
+  scores.resize(16 * width);
+  tile_q.resize(16 * d);
+  for (int64_t t0 = 0; t0 < q_len; t0 += 16) {
+    const int64_t count = std::min<int64_t>(16, q_len - t0);
+    const int64_t tile_seen = first + t0 + count;  // positions the tile's last token sees
+    const int64_t tile_chunks = (tile_seen + 15) / 16;
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t h = g * group + j;
+      for (int64_t t = 0; t < 16; ++t) {  // rows past the chunk's end repeat its last token
+        const float* q = qp + (t0 + std::min(t, count - 1)) * qs0 + h * qs1;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) tile_q[t * d + i] = q[i] * scale;
+      }
+      for (int64_t c = 0; c < tile_chunks; ++c) {
+        __m512 acc[16];
+        for (int64_t t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+        const float* panel = panels.data() + c * d * 16;
+        for (int64_t i = 0; i < d; ++i) {
+          const __m512 k = _mm512_loadu_ps(panel + i * 16);
+          for (int64_t t = 0; t < 16; ++t) {
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(tile_q[t * d + i]), k, acc[t]);
+          }
+        }
+        for (int64_t t = 0; t < 16; ++t) _mm512_storeu_ps(scores.data() + t * width + c * 16, acc[t]);
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        float* s = scores.data() + t * width;
+        const int64_t n = first + t0 + t + 1;
+        softmax_avx512(s, n);
+        std::fill(s + n, s + tile_seen, 0.0f);  // positions this token does not see
+      }
+      for (int64_t t = count; t < 16; ++t) std::fill_n(scores.data() + t * width, tile_seen, 0.0f);
+      for (int64_t c = 0; c < kC; ++c) {
+        __m512 acc[16];
+        for (int64_t t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < tile_seen; ++p) {
+          const __m512 v = _mm512_loadu_ps(vc + offsets[p] + g * cs2 + 16 * c);
+          for (int64_t t = 0; t < 16; ++t) {
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(scores[t * width + p]), v, acc[t]);
+          }
+        }
+        for (int64_t t = 0; t < count; ++t) {
+          _mm512_storeu_ps(op + (t0 + t) * os0 + h * os1 + 16 * c, acc[t]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Paged attention for whole rows, read in place from the cache: every query token of each
+// listed row attends to the row's positions up to its own (causal within a prefill chunk:
+// token t of a row with q_len queries and seq_len positions sees [0, seq_len - q_len + t]).
+// One task per query token: a decode row is one task, a prefill chunk of 128 tokens 128 tasks,
+// each reading its visible K and V (from the core's caches after the first tokens).
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& rows, double softmax_scale, at::Tensor out) {
   check_float_rows(query, "query", 3);
   check_float_rows(out, "out", 3);
   TORCH_CHECK(out.sizes() == query.sizes(), "out must be shaped like query");
@@ -303,18 +565,40 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "rows must be int64 [m], contiguous");
   const int64_t num_rows = seq_lens.size(0), width = block_tables.size(1);
+  TORCH_CHECK(query_start_loc.size(0) == num_rows + 1, "query_start_loc must be [num_rows + 1]");
   const int64_t group = q_heads / kv_heads, block_size = key_cache.size(1);
-  const int64_t m = rows.size(0);
+  const int64_t m = rows.size(0), num_tokens = query.size(0);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  struct Task {
+    int64_t token, row, len;  // the query token, its row, the positions it sees
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> chunk_rows;  // rows for attend_chunk_avx512
+#if defined(__AVX512F__)
+  const bool tiled = d == 64 || d == 128;
+#else
+  const bool tiled = false;
+#endif
   int64_t positions = 0;
   for (int64_t i = 0; i < m; ++i) {
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows, "decode row ", rp[i], " out of range");
-    TORCH_CHECK(lens[rp[i]] >= 1 && lens[rp[i]] <= width * block_size, "row ", rp[i],
-                " has a length its block table cannot hold");
-    positions += lens[rp[i]];
+    const int64_t r = rp[i];
+    TORCH_CHECK(r >= 0 && r < num_rows, "row ", r, " out of range");
+    const int64_t begin = starts[r], q_len = starts[r + 1] - begin, len = lens[r];
+    TORCH_CHECK(q_len >= 1 && begin >= 0 && begin + q_len <= num_tokens, "row ", r,
+                " has no query tokens in range");
+    TORCH_CHECK(len >= q_len && len <= width * block_size, "row ", r, " has ", len,
+                " positions: fewer than its ", q_len, " queries, or more than its table holds");
+    if (tiled && q_len > 1) {
+      chunk_rows.push_back(r);
+      continue;
+    }
+    for (int64_t t = 0; t < q_len; ++t) {
+      tasks.push_back({begin + t, r, len - q_len + t + 1});
+      positions += len - q_len + t + 1;
+    }
   }
   const float* qp = query.data_ptr<float>();
   const float* kc = key_cache.data_ptr<float>();
@@ -324,19 +608,48 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const auto scale = static_cast<float>(softmax_scale);
-  // A task (one row, one KV head) reads 2 * len * d floats of K and V.
-  const int64_t task_floats = 2 * d * positions / std::max<int64_t>(1, m);
-  at::parallel_for(0, m * kv_heads, grain_rows(task_floats), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, scaled_q;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = rp[task / kv_heads], g = task % kv_heads;
-      const int64_t token = starts[r];
-      auto* one = d == 64 ? decode_one<64> : d == 128 ? decode_one<128> : decode_one<0>;
-      one(qp + token * qs0 + g * group * qs1, qs1, kc + g * cs2, vc + g * cs2, cs0, cs1,
-          tables + r * width, block_size, lens[r], group, d, scale,
-          op + token * os0 + g * group * os1, os1, scores, scaled_q);
+  const auto n = static_cast<int64_t>(tasks.size());
+  // A task reads 2 * len * kv_heads * d floats of K and V.
+  const int64_t task_floats = 2 * kv_heads * d * positions / std::max<int64_t>(1, n);
+  auto* one = d == 64 ? attend_token<64> : d == 128 ? attend_token<128> : attend_token<0>;
+  at::parallel_for(0, n, grain_rows(task_floats), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, scratch;  // scratch: scaled q, or attend_token_avx512's lanes
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      const float* q = qp + task.token * qs0;
+      float* o = op + task.token * os0;
+      const int32_t* table = tables + task.row * width;
+#if defined(__AVX512F__)
+      if (d == 64 || d == 128) {
+        (d == 64 ? attend_token_avx512<4> : attend_token_avx512<8>)(
+            q, qs1, kc, vc, cs0, cs1, cs2, table, block_size, task.len, kv_heads, group, scale,
+            o, os1, scores, scratch);
+        continue;
+      }
+#endif
+      one(q, qs1, kc, vc, cs0, cs1, cs2, table, block_size, task.len, kv_heads, group, d, scale,
+          o, os1, scores, scratch);
     }
   });
+#if defined(__AVX512F__)
+  const auto chunk_tasks = static_cast<int64_t>(chunk_rows.size()) * kv_heads;
+  at::parallel_for(0, chunk_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panels, scores, tile_q;
+    std::vector<int64_t> offsets;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = chunk_rows[i / kv_heads], g = i % kv_heads;
+      const int64_t first_token = starts[r], q_len = starts[r + 1] - first_token, len = lens[r];
+      const int32_t* table = tables + r * width;
+      offsets.resize(len);
+      for (int64_t p = 0; p < len; ++p) {
+        offsets[p] = table[p / block_size] * cs0 + (p % block_size) * cs1;
+      }
+      (d == 64 ? attend_chunk_avx512<4> : attend_chunk_avx512<8>)(
+          qp + first_token * qs0, qs0, qs1, kc, vc, offsets.data(), cs2, len - q_len, q_len, g,
+          group, scale, op + first_token * os0, os0, os1, panels, scores, tile_q);
+    }
+  });
+#endif
 }
 
 }  // namespace
@@ -350,7 +663,7 @@ TORCH_LIBRARY(kvgate_cpu, m) {
         &rotary_);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slots) -> ()", &write_kv);
-  m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor rows, "
-        "float softmax_scale, Tensor(a!) out) -> ()", &decode_attention);
+        "float softmax_scale, Tensor(a!) out) -> ()", &paged_attention);
 }
