@@ -248,9 +248,9 @@ inline void prefetch_run(const float* at, int64_t floats) {
 }
 
 // One query token (a decode row, or one token of a prefill chunk), all its query heads over
-// positions [0, len). Each position's K vectors (every
-// KV head's, contiguous in the cache) are read once, scored against the query heads of each KV
-// head's group; then a softmax per query head; then V read the same way into the weighted sums.
+// positions [0, len). Each position's K vectors (every KV head's, contiguous in the cache) are
+// read once, scored against the query heads of each KV head's group; then a softmax per query
+// head; then V read the same way into the weighted sums.
 // Per query head the arithmetic and its order are those of one head at a time (the dot product
 // over the head dimension, the softmax over positions, the sum over positions in order).
 // kD: the head dimension when known at compile time (fully unrolled dot products), else 0.
