@@ -125,9 +125,14 @@ def test_request_round_trip_and_step_spans_reach_the_collector(
         assert all(r.status is ResultStatus.COMPLETED for r in results), results
 
         def complete(spans: list[ReceivedSpan]) -> bool:
-            served = {link for s in _named(spans, attr.STEP_SPAN) for link in s.links}
+            # Every request served, and every step span seen so far with its round trip: the
+            # two processes export on their own schedules, so a step's span may arrive first.
+            steps = _named(spans, attr.STEP_SPAN)
+            served = {link for s in steps for link in s.links}
             requests = {(s.trace_id, s.span_id) for s in _named(spans, request_span)}
-            return len(requests) == REQUESTS and requests <= served
+            trips = {(s.trace_id, s.span_id) for s in _named(spans, attr.ADMISSION_STEP_SPAN)}
+            parented = all((s.trace_id, s.parent_span_id or "") in trips for s in steps)
+            return len(requests) == REQUESTS and requests <= served and parented
 
         spans = collector.wait_for_spans(
             complete, timeout_s=60, what=f"request and step spans over {protocol}"
