@@ -20,7 +20,7 @@ import torch
 from kvgate.gpu_executor.exit_policy import decide, uses_gate
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import is_finished
-from kvgate.gpu_executor.sampler import SampleRow, sample
+from kvgate.gpu_executor.sampler import SampleRow, sample_each
 from kvgate.protocol.enums import ExitPolicy
 from kvgate.protocol.step import NewRequest
 
@@ -131,7 +131,7 @@ def reference_generate(
 
     def emit(hidden: torch.Tensor, position: int, depth: int) -> None:
         row = SampleRow(request.request_id, position, sampling)
-        (token,) = sample(model.logits(hidden), [row])
+        (token,) = sample_each(model.logits(hidden), [row])
         result.output_token_ids.append(token)
         result.exit_depths.append(depth)
 

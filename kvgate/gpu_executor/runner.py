@@ -28,7 +28,7 @@ from kvgate.gpu_executor.exit_policy import decide, uses_gate
 from kvgate.gpu_executor.kv_cache import KVCache
 from kvgate.gpu_executor.model import Model
 from kvgate.gpu_executor.requests import DecodeCursor, PendingHidden, RequestState, is_finished
-from kvgate.gpu_executor.sampler import SampleRow, sample, token_logprobs
+from kvgate.gpu_executor.sampler import SampleRow, logprob_fields, sample
 from kvgate.gpu_executor.timing import KernelTimer
 from kvgate.protocol.enums import ExitPolicy
 from kvgate.protocol.step import PrefillRow, SampledToken
@@ -93,21 +93,6 @@ def _start_levels(rows: list[tuple[RequestState, PrefillRow]]) -> list[int]:
             last_level[(state.request_id, depth)] = start + depth - row.depth_first
         starts.append(start)
     return starts
-
-
-def _logprob_fields(
-    logits: torch.Tensor | None, rows: list[SampleRow], tokens: list[int]
-) -> list[dict[str, Any]]:
-    """Per sampled row: the SampledToken logprob fields its request asked for (else none)."""
-    fields: list[dict[str, Any]] = []
-    for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
-        top_n = row.params.logprobs
-        if top_n is None or logits is None:
-            fields.append({})
-            continue
-        logprob, top = token_logprobs(logits[i], token, top_n)
-        fields.append({"logprob": logprob, "top_logprobs": top})
-    return fields
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:
@@ -368,7 +353,7 @@ class StepRunner:
             hidden.append(row.out)
         logits = self.model.logits(torch.cat(hidden)) if rows else None
         tokens = sample(logits, rows) if logits is not None else []
-        extras = iter(_logprob_fields(logits, rows, tokens))
+        extras = iter(logprob_fields(logits, rows, tokens) if logits is not None else [])
         sampled = iter(tokens)
         num_loops = self.model.num_loops
         for fill in fills:

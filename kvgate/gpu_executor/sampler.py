@@ -3,15 +3,26 @@
 The draw for the token at ``position`` uses a generator seeded from a stable hash of
 ``(seed, position)`` when the request sets a seed (so the same prompt, settings and seed give
 the same tokens under any request id, as vLLM's per-request seed does), or of
-``(request_id, position)`` when it does not (every request draws afresh). Each row is processed
-on its own, so a token never depends on the batch it was sampled in, on preemption, or on the
-restore mode.
+``(request_id, position)`` when it does not (every request draws afresh). A row's token never
+depends on the batch it was sampled in, on preemption, or on the restore mode.
+
+Two forms of the same rules:
+
+- :func:`sample` (the executor's): every row of a step at once, on the logits' device. The
+  filters and the draw are batched tensor operations with per-row parameters, the seeded
+  uniforms are made on the host (a few bytes per row) and go to the device in one copy, and the
+  tokens come back in one copy: no per-row transfers or synchronizations. Each row's
+  arithmetic is its own row's (row-wise softmax, sort, cumsum), so batching changes no result;
+- :func:`sample_each`: one row at a time (:func:`filtered_probs`, :func:`draw`), the plain
+  statement of the rules; the unpaged reference generation samples with it, so the executor's
+  equivalence tests compare the two forms.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +45,16 @@ def draw_seed(seed: int | None, request_id: str, position: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def row_uniform(row: SampleRow) -> float:
+    """The one float64 uniform in [0, 1) that ``row``'s draw uses."""
+    seed = draw_seed(row.params.seed, row.request_id, row.position)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------- one row at a time
+
+
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """fp32 probabilities ``[V]`` after temperature, top-k and top-p (``temperature > 0``).
 
@@ -54,49 +75,108 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs / probs.sum()
 
 
-def draw(probs: torch.Tensor, seed: int) -> int:
-    """Inverse-CDF draw over ``probs [V]`` in token-id order with one uniform from ``seed``."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    uniform = torch.rand((), generator=generator, dtype=torch.float64)
+def draw(probs: torch.Tensor, uniform: float) -> int:
+    """Inverse-CDF draw over ``probs [V]`` in token-id order at ``uniform`` in [0, 1)."""
     weights = probs.double().cpu()
     cdf = torch.cumsum(weights, dim=-1)
-    index = int(torch.searchsorted(cdf, uniform * cdf[-1], right=True))
+    target = torch.tensor(uniform, dtype=torch.float64) * cdf[-1]
+    index = int(torch.searchsorted(cdf, target, right=True))
     # u * total can round up to total: clamp to the last token that has any probability.
     last_possible = int(torch.nonzero(weights > 0.0)[-1])
     return min(index, last_possible)
 
 
+def sample_each(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """One token per row of fp32 ``logits [len(rows), V]``, one row at a time."""
+    tokens = []
+    for i, row in enumerate(rows):
+        if row.params.temperature == 0.0:
+            tokens.append(int(torch.argmax(logits[i])))
+        else:
+            tokens.append(draw(filtered_probs(logits[i], row.params), row_uniform(row)))
+    return tokens
+
+
+# ------------------------------------------------------------------------ every row at once
+
+
+def _batched_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """:func:`filtered_probs` of every row of ``logits [m, V]`` (every row sampled)."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    scaled = logits.float() / temperature.unsqueeze(1)
+    ks = [r.params.top_k if r.params.top_k is not None else vocab for r in rows]
+    if min(ks) < vocab:
+        k = torch.tensor([min(k, vocab) for k in ks], device=device).unsqueeze(1)
+        kth = torch.sort(scaled, dim=-1, descending=True).values.gather(1, k - 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    top_ps = [r.params.top_p for r in rows]
+    if min(top_ps) < 1.0:
+        # Rows without top-p keep everything (not "mass before < 1.0", which rounding can miss).
+        limit = [p if p < 1.0 else float("inf") for p in top_ps]
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= torch.tensor(limit, device=device).unsqueeze(1)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _batched_draw(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """:func:`draw` for every row of ``probs [m, V]``: int64 ``[m]`` on their device."""
+    weights = probs.double()
+    cdf = torch.cumsum(weights, dim=-1)
+    uniforms = torch.tensor([row_uniform(r) for r in rows], dtype=torch.float64)
+    target = uniforms.to(probs.device, non_blocking=True).unsqueeze(1) * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    vocab = probs.shape[-1]
+    positive = (weights > 0.0).flip(-1)
+    last_possible = (vocab - 1) - torch.argmax(positive.to(torch.uint8), dim=-1)
+    return torch.minimum(index, last_possible)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-    """One token per row of fp32 ``logits [len(rows), V]``."""
+    """One token per row of fp32 ``logits [len(rows), V]``, every row at once on their device."""
     if not rows:
         return []
-    tokens: list[int | None] = [None] * len(rows)
-    greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0.0]
-    if greedy:
-        # Every row greedy (the common case): no copy of the logits rows.
-        chosen = logits if len(greedy) == len(rows) else logits[greedy]
-        picked = torch.argmax(chosen, dim=-1).tolist()
-        for i, token in zip(greedy, picked, strict=True):
-            tokens[i] = int(token)
-    for i, row in enumerate(rows):
-        if tokens[i] is None:
-            probs = filtered_probs(logits[i], row.params)
-            tokens[i] = draw(probs, draw_seed(row.params.seed, row.request_id, row.position))
-    return [t for t in tokens if t is not None]
+    tokens = torch.argmax(logits, dim=-1)
+    drawn = [i for i, row in enumerate(rows) if row.params.temperature != 0.0]
+    if drawn:
+        index = torch.tensor(drawn, device=logits.device)
+        chosen = [rows[i] for i in drawn]
+        tokens = tokens.index_copy(
+            0, index, _batched_draw(_batched_probs(logits[index], chosen), chosen)
+        )
+    return [int(t) for t in tokens.tolist()]
 
 
-def token_logprobs(
-    logits: torch.Tensor, token_id: int, top_n: int
-) -> tuple[float, list[TokenLogprob]]:
-    """The log-softmax of fp32 ``logits [V]`` at ``token_id``, and its ``top_n`` largest entries."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(logprobs, top_n) if top_n else None
-    alternatives = (
-        []
-        if top is None
-        else [
-            TokenLogprob(token_id=int(i), logprob=float(v))
-            for v, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)
-        ]
-    )
-    return float(logprobs[token_id]), alternatives
+def logprob_fields(
+    logits: torch.Tensor, rows: list[SampleRow], tokens: list[int]
+) -> list[dict[str, Any]]:
+    """Per row: the ``SampledToken`` logprob fields its request asked for (``{}`` if none).
+
+    The log-softmax of the logits before temperature and filters, batched over the rows that
+    ask (one top-k per distinct count asked, so a row's list never depends on its neighbours').
+    """
+    fields: list[dict[str, Any]] = [{} for _ in rows]
+    asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not asking:
+        return fields
+    device = logits.device
+    logprobs = torch.log_softmax(logits[torch.tensor(asking, device=device)].float(), dim=-1)
+    chosen = torch.tensor([tokens[i] for i in asking], device=device).unsqueeze(1)
+    picked = logprobs.gather(1, chosen).squeeze(1).tolist()
+    counts = [rows[i].params.logprobs or 0 for i in asking]
+    alternatives: dict[int, list[TokenLogprob]] = {}
+    for n in sorted(set(counts) - {0}):
+        members = [j for j, c in enumerate(counts) if c == n]
+        top = torch.topk(logprobs[torch.tensor(members, device=device)], n, dim=-1)
+        for j, values, ids in zip(members, top.values.tolist(), top.indices.tolist(), strict=True):
+            alternatives[j] = [
+                TokenLogprob(token_id=int(t), logprob=float(v))
+                for t, v in zip(ids, values, strict=True)
+            ]
+    for j, i in enumerate(asking):
+        fields[i] = {"logprob": float(picked[j]), "top_logprobs": alternatives.get(j, [])}
+    return fields

@@ -6,13 +6,21 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from kvgate.gpu_executor.executor import Executor
 from kvgate.gpu_executor.loader import LoadedModel, load_model
 from kvgate.gpu_executor.reference import reference_generate
-from kvgate.gpu_executor.sampler import SampleRow, draw_seed, filtered_probs, sample
+from kvgate.gpu_executor.sampler import (
+    SampleRow,
+    draw_seed,
+    filtered_probs,
+    logprob_fields,
+    sample,
+    sample_each,
+)
 from kvgate.protocol import step as wire
 from tests.gpu_executor.driver import Driver, DriverConfig
 from tests.gpu_executor.hf_forward import hf_last_logits
@@ -83,6 +91,55 @@ def test_a_row_draws_the_same_token_in_any_batch() -> None:
     alone = [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
     reversed_batch = sample(logits.flip(0), rows[::-1])[::-1]
     assert together == alone == reversed_batch
+
+
+MIXED_PARAMS = [
+    wire.SamplingParams(),  # greedy
+    wire.SamplingParams(temperature=0.7, seed=1),
+    wire.SamplingParams(temperature=1.3, top_k=5, seed=2),
+    wire.SamplingParams(temperature=0.9, top_p=0.8),  # no seed: keyed by request id
+    wire.SamplingParams(temperature=1.0, top_k=40, top_p=0.5, seed=3),
+    wire.SamplingParams(temperature=0.0, top_k=3, seed=8),  # greedy whatever the filters
+    wire.SamplingParams(temperature=2.0, top_p=0.999, seed=5),
+    wire.SamplingParams(temperature=0.5, top_k=1, seed=6),
+]
+
+
+def test_the_batched_sampler_draws_what_the_per_row_one_does() -> None:
+    """Every row of a mixed batch (greedy, temperatures, top-k, top-p, seeded or not) gets the
+    token of :func:`sample_each`, which applies the rules one row at a time; peaked and flat
+    rows, a vocabulary larger than top-k, and ties in the logits."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 300
+    logits = torch.randn(48, vocab, generator=gen) * torch.linspace(0.1, 8.0, 48).unsqueeze(1)
+    logits[5, :20] = 3.0  # a tie across a top-k boundary
+    rows = [SampleRow(f"r{i}", 7 + 3 * i, MIXED_PARAMS[i % len(MIXED_PARAMS)]) for i in range(48)]
+    batched = sample(logits, rows)
+    assert batched == sample_each(logits, rows)
+    assert sample(logits[5:6], rows[5:6]) == batched[5:6]
+    assert len(set(batched)) > 10  # the rows really draw
+
+
+def test_batched_logprobs_are_each_rows_own() -> None:
+    """The logprob fields of a batch, per row, are those of the row alone and match a float64
+    log-softmax; rows that do not ask get none, and each gets as many alternatives as it asked."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 64, generator=gen) * 3
+    asks = [2, None, 0, 5, 2]
+    rows = [SampleRow(f"r{i}", i, wire.SamplingParams(logprobs=n)) for i, n in enumerate(asks)]
+    tokens = [3, 1, 4, 1, 5]
+    together = logprob_fields(logits, rows, tokens)
+    for i, n in enumerate(asks):
+        assert (
+            together[i] == logprob_fields(logits[i : i + 1], rows[i : i + 1], tokens[i : i + 1])[0]
+        )
+        if n is None:
+            assert together[i] == {}
+            continue
+        want = torch.log_softmax(logits[i].double(), dim=-1)
+        assert together[i]["logprob"] == pytest.approx(float(want[tokens[i]]), abs=1e-5)
+        top = together[i]["top_logprobs"]
+        assert [t.token_id for t in top] == torch.argsort(want, descending=True)[:n].tolist()
 
 
 def test_reference_decode_matches_full_recompute(llama_dir: Path, llama: LoadedModel) -> None:
