@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor-id", default=os.environ.get("HOSTNAME", "executor-0"))
     parser.add_argument("--token-file", type=Path, help=f"bearer token file (else ${TOKEN_ENV})")
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens and logprobs do not depend on the batch it shares or on how "
+        "its prompt is chunked (CPU float32; a few percent slower)",
+    )
+    parser.add_argument(
         "--no-calibrate",
         action="store_true",
         help="skip measuring host bandwidth and prefill cost at startup",
@@ -100,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size < 1:
         log.error("--tensor-parallel-size must be >= 1")
         return 2
+    if args.batch_invariant and args.tensor_parallel_size > 1:
+        log.error("--batch-invariant runs on one device (--tensor-parallel-size 1)")
+        return 2
     try:
         provider = configure_tracing("kvgate-executor")
     except TelemetryConfigError as exc:
@@ -128,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             exit_policy=ExitPolicy(args.exit_policy),
             model_name=str(args.model),
+            batch_invariant=args.batch_invariant,
         )
         if not args.no_calibrate:
             executor.calibrate()

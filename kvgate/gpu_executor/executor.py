@@ -65,12 +65,18 @@ class Executor:
         tracer: trace.Tracer | None = None,
         profile_tokens: int = PROFILE_TOKENS,
         model_name: str | None = None,
+        batch_invariant: bool = False,
     ):
         loaded = (
             model
             if isinstance(model, LoadedModel)
-            else load_model(model, device=device, dtype=dtype)
+            else load_model(model, device=device, dtype=dtype, batch_invariant=batch_invariant)
         )
+        if loaded.model.batch_invariant != batch_invariant:
+            raise ValueError(
+                f"batch_invariant={batch_invariant}, but the model was loaded with "
+                f"batch_invariant={loaded.model.batch_invariant}"
+            )
         self.model: Model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.tokenizer_files = loaded.tokenizer_files  # served at GET /v1/tokenizer

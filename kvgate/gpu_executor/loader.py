@@ -56,15 +56,17 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: DTypeChoice = AUTO_DTYPE,
     parallel: TensorParallel | None = None,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Read and check a model directory or GGUF file; raises CheckpointError with the reason.
 
     With ``parallel``, only this rank's shard is read (a ShardError, one line, when the model
-    does not split over the group).
+    does not split over the group). ``batch_invariant``: see :class:`Model` (a ValueError where
+    the device cannot run it).
     """
     path = Path(model_dir)
     if is_gguf(path):
-        return _load_gguf(path, torch.device(device), dtype, parallel)
+        return _load_gguf(path, torch.device(device), dtype, parallel, batch_invariant)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     config = load_config(path)
@@ -79,7 +81,7 @@ def load_model(
             f"tokenizer.json has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
         )
     weights = assemble_weights(local_config, tensors)
-    model = Model(local_config, weights, parallel=parallel)
+    model = Model(local_config, weights, parallel=parallel, batch_invariant=batch_invariant)
     return LoadedModel(model, tokenizer, path, _directory_tokenizer_files(path))
 
 
@@ -98,13 +100,18 @@ def _directory_tokenizer_files(path: Path) -> TokenizerFiles | None:
 
 
 def _load_gguf(
-    path: Path, device: torch.device, dtype: DTypeChoice, parallel: TensorParallel | None
+    path: Path,
+    device: torch.device,
+    dtype: DTypeChoice,
+    parallel: TensorParallel | None,
+    batch_invariant: bool,
 ) -> LoadedModel:
     torch_dtype = resolve_dtype(dtype, device, None)
     shard = None if parallel is None else parallel.plan
     checkpoint = read_gguf_checkpoint(path, torch_dtype, device, shard)
     config = checkpoint.config if shard is None else shard.local_config(checkpoint.config)
-    model = Model(config, assemble_weights(config, checkpoint.tensors), parallel=parallel)
+    weights = assemble_weights(config, checkpoint.tensors)
+    model = Model(config, weights, parallel=parallel, batch_invariant=batch_invariant)
     files = TokenizerFiles.of(
         checkpoint.tokenizer.to_str(), checkpoint.special_tokens.tokenizer_config()
     )

@@ -115,12 +115,17 @@ class _LayerLinears:
     down: LinearFn
 
     @classmethod
-    def build(cls, layer: LayerWeights, backend: LinearBackend) -> _LayerLinears:
+    def build(
+        cls, layer: LayerWeights, backend: LinearBackend, *, batch_invariant: bool = False
+    ) -> _LayerLinears:
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            return Linear.build(weight, bias, backend, batch_invariant=batch_invariant)
+
         return cls(
-            qkv=Linear.build(layer.qkv_proj, layer.qkv_bias, backend),
-            o=Linear.build(layer.o_proj, layer.o_bias, backend),
-            gate_up=Linear.build(layer.gate_up_proj, None, backend),
-            down=Linear.build(layer.down_proj, None, backend),
+            qkv=linear(layer.qkv_proj, layer.qkv_bias),
+            o=linear(layer.o_proj, layer.o_bias),
+            gate_up=linear(layer.gate_up_proj, None),
+            down=linear(layer.down_proj, None),
         )
 
     @classmethod
@@ -135,6 +140,29 @@ class _LayerLinears:
         )
 
 
+def _check_batch_invariant(
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: LinearBackend,
+    ops: TorchLayerOps,
+    parallel: TensorParallel | None,
+) -> None:
+    """Raise unless this model can run batch-invariant (see :class:`Model`)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"batch-invariant mode runs on CPU in float32 (this model: {device.type}, {dtype}); "
+            "the CUDA kernels choose splits by batch size"
+        )
+    if backend is not LinearBackend.ONEDNN:
+        raise ValueError("batch-invariant mode needs oneDNN's packed linears (torch built with it)")
+    if not ops.compiled:
+        raise ValueError(
+            "batch-invariant mode needs kvgate's compiled CPU kernels (a C++ compiler at startup)"
+        )
+    if parallel is not None:
+        raise ValueError("batch-invariant mode runs on one device (no tensor parallelism)")
+
+
 class Model:
     """A loaded model on one device: prelude, core pass, exit gate and coda.
 
@@ -142,6 +170,11 @@ class Model:
     columns, its vocabulary rows; ``config.vocab_size`` stays the whole vocabulary), and the
     row-parallel layers, the embedding and the LM head combine the ranks' parts. Without it no
     layer knows ranks exist: the single-device path runs exactly the same calls as before.
+
+    ``batch_invariant``: a row's outputs do not depend on the other rows of its step, nor on how
+    its prompt was cut into chunks (every linear gives a lone row the bits it gets in a batch,
+    and attention sums every prefill token in a decode row's order). CPU float32 with the
+    compiled kernels only, one device; a ValueError says which of these is missing.
     """
 
     def __init__(
@@ -151,6 +184,8 @@ class Model:
         linear_backend: LinearBackend | None = None,
         parallel: TensorParallel | None = None,
         layer_ops: TorchLayerOps | None = None,
+        *,
+        batch_invariant: bool = False,
     ):
         self.config = config
         self.weights = weights
@@ -160,13 +195,27 @@ class Model:
         backend = self.linear_backend = linear_backend or select_linear_backend(
             self.device, self.dtype
         )
+        self.ops = layer_ops or select_layer_ops(self.device, self.dtype)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            _check_batch_invariant(self.device, self.dtype, backend, self.ops, parallel)
         self._linears: tuple[_LayerLinears, ...]
         self._embed: LinearFn
         self._lm_head: LinearFn
+        self._exit_gate: LinearFn | None = None
         if parallel is None:
-            self._linears = tuple(_LayerLinears.build(layer, backend) for layer in weights.layers)
+            self._linears = tuple(
+                _LayerLinears.build(layer, backend, batch_invariant=batch_invariant)
+                for layer in weights.layers
+            )
             self._embed = partial(F.embedding, weight=weights.embed)
-            self._lm_head = Linear.build(weights.lm_head, None, backend)
+            self._lm_head = Linear.build(
+                weights.lm_head, None, backend, batch_invariant=batch_invariant
+            )
+            if batch_invariant and weights.exit_gate is not None:
+                self._exit_gate = Linear.build(
+                    weights.exit_gate, weights.exit_gate_bias, backend, batch_invariant=True
+                )
         else:
             self._linears = tuple(
                 _LayerLinears.build_sharded(layer, backend, parallel) for layer in weights.layers
@@ -176,7 +225,6 @@ class Model:
             self._lm_head = VocabParallelHead(
                 Linear.build(weights.lm_head, None, backend), config.vocab_size, parallel
             )
-        self.ops = layer_ops or select_layer_ops(self.device, self.dtype)
         self.rotary = RotaryTable(
             config.head_dim, config.rope_theta, config.rope_scaling, self.device
         )
@@ -247,7 +295,11 @@ class Model:
         """
         if self.weights.exit_gate is None:
             raise ValueError(f"a {self.config.family} model has no exit gate")
-        gate = F.linear(hidden, self.weights.exit_gate, self.weights.exit_gate_bias)
+        gate = (
+            F.linear(hidden, self.weights.exit_gate, self.weights.exit_gate_bias)
+            if self._exit_gate is None
+            else self._exit_gate(hidden)
+        )
         return torch.sigmoid(gate.float()).squeeze(-1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -303,6 +303,7 @@ class StepRunner:
                 num_blocks=cache.num_blocks,
                 block_size=bs,
                 compiled=model.ops.compiled,
+                per_token=model.batch_invariant,
             )
             write_plan = kernels.plan_write_kv(
                 slot_tensor, num_blocks=cache.num_blocks, block_size=bs, compiled=model.ops.compiled

@@ -104,6 +104,7 @@ def plan_attention(
     num_blocks: int,
     block_size: int,
     compiled: bool = False,
+    per_token: bool = False,
 ) -> AttentionPlan | None:
     """Prepare one step's metadata for every layer's :func:`paged_attention` call.
 
@@ -113,8 +114,12 @@ def plan_attention(
     stream to read it on the host). The tensors must not be changed while the plan is in use.
     ``compiled`` (CPU): decode rows on the compiled kernel of :mod:`kvgate.kernels.cpu` (loaded
     by the caller; the executor does where its model runs the compiled layer operations).
+    ``per_token`` (compiled only): prefill tokens summed as decode rows are, for the executor's
+    batch-invariant mode.
     """
     if select_backend(block_tables.device) is not Backend.TORCH:
+        if per_token:
+            raise ValueError("per-token attention runs on the CPU's compiled kernel only")
         return None
     return plan_attention_torch(
         block_tables,
@@ -124,6 +129,7 @@ def plan_attention(
         num_blocks=num_blocks,
         block_size=block_size,
         compiled=compiled,
+        per_token=per_token,
     )
 
 

@@ -90,6 +90,8 @@ class AttentionPlan:
     # int64 [m]: every row with queries, for the compiled kernel; None: not compiled, or no rows
     compiled_rows: torch.Tensor | None
     compiled: bool  # rows on the compiled kernel (float32 caches) instead of the torch paths
+    # compiled only: prefill tokens in a decode row's order of sums (the batch-invariant mode)
+    per_token: bool
     _decode_rows: tuple[int, ...]  # the same rows, for the torch groups
     _starts: tuple[int, ...]  # query_start_loc's values
     _lens: tuple[int, ...]  # seq_lens' values
@@ -203,15 +205,20 @@ def plan_attention_torch(
     num_blocks: int,
     block_size: int,
     compiled: bool = False,
+    per_token: bool = False,
 ) -> AttentionPlan:
     """Check the metadata's values once and precompute every layer's gather indices and masks.
 
     ``compiled``: every row on the compiled kernel (``kvgate.kernels.cpu``, which must be
     loaded) where the caches are float32; the torch groups and chunks are built only if a
-    call's caches are not.
+    call's caches are not. ``per_token`` (compiled only): every prefill token is summed in the
+    order of a decode row, so a token's output does not depend on the chunk it was computed
+    in; calls whose caches the compiled kernel cannot read are refused instead of falling back.
     """
     if compiled and not cpu.loaded():
         raise ValueError("compiled attention asked for, but kvgate.kernels.cpu is not loaded")
+    if per_token and not compiled:
+        raise ValueError("per-token attention runs on the compiled kernel only")
     check_attention_metadata(
         block_tables,
         query_start_loc,
@@ -240,6 +247,7 @@ def plan_attention_torch(
             torch.tensor(attended, dtype=torch.int64) if compiled and attended else None
         ),
         compiled=compiled,
+        per_token=per_token,
         _decode_rows=tuple(decode_rows),
         _starts=tuple(starts),
         _lens=tuple(lens),
@@ -328,9 +336,13 @@ def paged_attention_torch(
         if plan.compiled_rows is not None:
             torch.ops.kvgate_cpu.paged_attention(
                 query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                plan.compiled_rows, softmax_scale, out,
+                plan.compiled_rows, softmax_scale, out, plan.per_token,
             )  # fmt: skip
         return out
+    if plan.per_token:
+        raise ValueError(
+            "per-token attention needs float32 caches and query the compiled kernel can read"
+        )
     decode_groups = plan.decode_groups
     if decode_groups:
         key_table, value_table = row_table(key_cache), row_table(value_cache)

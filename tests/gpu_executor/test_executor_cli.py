@@ -45,8 +45,13 @@ def _free_port() -> int:
     [
         (("--num-blocks", "8"), {}, "no bearer token"),
         ((), {"KVGATE_EXECUTOR_TOKEN": "t"}, "--num-blocks is required on CPU"),
+        (
+            ("--num-blocks", "8", "--batch-invariant", "--tensor-parallel-size", "3"),
+            {"KVGATE_EXECUTOR_TOKEN": "t"},
+            "--batch-invariant runs on one device",
+        ),
     ],
-    ids=["no-token", "cpu-without-num-blocks"],
+    ids=["no-token", "cpu-without-num-blocks", "batch-invariant-over-ranks"],
 )
 def test_refuses_to_start(
     llama_dir: Path, extra: tuple[str, ...], env: dict[str, str], message: str

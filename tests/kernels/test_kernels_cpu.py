@@ -11,6 +11,7 @@ fallback test below still runs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -156,6 +157,62 @@ def test_attention_with_mixed_rows(block_size: int) -> None:
     results = _compiled_and_torch(batch)
     assert_matches_reference(batch, results[True])
     torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=2e-6)
+
+
+def _per_token_plan(batch: PagedBatch) -> kernels.AttentionPlan | None:
+    return kernels.plan_attention(
+        batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
+        block_size=batch.key_cache.shape[1], compiled=True, per_token=True,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_per_token_attention_does_not_depend_on_the_chunk(head_dim: int) -> None:
+    """With ``per_token`` (the batch-invariant mode) each token of a prefill chunk gets the bits
+    it gets as a one-query row over the same positions: the output does not depend on where
+    the scheduler cut the prompt, nor on the other rows of the step."""
+    batch = build_batch(
+        [Row(37, 100), Row(1, 23), Row(16, 16)], num_q_heads=6, num_kv_heads=2,
+        head_dim=head_dim, block_size=8,
+    )  # fmt: skip
+    chunked = kernels.paged_attention(
+        *batch.args(), batch.softmax_scale, plan=_per_token_plan(batch)
+    )
+    assert_matches_reference(batch, chunked)
+    starts, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    for row in range(len(lens)):
+        q_len = starts[row + 1] - starts[row]
+        for t in range(q_len):
+            token = starts[row] + t
+            alone = dataclasses.replace(
+                batch,
+                query=batch.query[token : token + 1].clone(),
+                block_tables=batch.block_tables[row : row + 1].clone(),
+                query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                seq_lens=torch.tensor([lens[row] - q_len + t + 1], dtype=torch.int32),
+            )
+            out = kernels.paged_attention(
+                *alone.args(), alone.softmax_scale, plan=_per_token_plan(alone)
+            )
+            assert torch.equal(out[0], chunked[token]), f"row {row} token {t}"
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_per_token_attention_refuses_caches_it_cannot_read() -> None:
+    batch = build_batch(
+        MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
+        dtype=torch.float16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="per-token attention needs float32"):
+        kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=_per_token_plan(batch))
+    with pytest.raises(ValueError, match="compiled kernel only"):
+        kernels.plan_attention(
+            batch.block_tables, batch.query_start_loc, batch.seq_lens,
+            num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
+            block_size=batch.key_cache.shape[1], per_token=True,
+        )  # fmt: skip
 
 
 def _refuse_torch_groups(*args: object, **kwargs: object) -> None:

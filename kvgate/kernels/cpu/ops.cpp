@@ -544,11 +544,15 @@ void attend_chunk_avx512(const float* qp, int64_t qs0, int64_t qs1, const float*
 // listed row attends to the row's positions up to its own (causal within a prefill chunk:
 // token t of a row with q_len queries and seq_len positions sees [0, seq_len - q_len + t]).
 // One task per query token: a decode row is one task, a prefill chunk of 128 tokens 128 tasks,
-// each reading its visible K and V (from the core's caches after the first tokens).
+// each reading its visible K and V (from the core's caches after the first tokens). On AVX-512
+// prefill chunks run tiled (attend_chunk_avx512) unless `per_token`: then every token runs
+// attend_token's order of sums, so its output depends on its query and its visible K and V
+// alone, never on how the scheduler cut its prompt into chunks (the batch-invariant mode).
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& rows, double softmax_scale, at::Tensor out) {
+                     const at::Tensor& rows, double softmax_scale, at::Tensor out,
+                     bool per_token) {
   check_float_rows(query, "query", 3);
   check_float_rows(out, "out", 3);
   TORCH_CHECK(out.sizes() == query.sizes(), "out must be shaped like query");
@@ -578,7 +582,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   std::vector<Task> tasks;
   std::vector<int64_t> chunk_rows;  // rows for attend_chunk_avx512
 #if defined(__AVX512F__)
-  const bool tiled = d == 64 || d == 128;
+  const bool tiled = (d == 64 || d == 128) && !per_token;
 #else
   const bool tiled = false;
 #endif
@@ -665,5 +669,5 @@ TORCH_LIBRARY(kvgate_cpu, m) {
         "Tensor slots) -> ()", &write_kv);
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor rows, "
-        "float softmax_scale, Tensor(a!) out) -> ()", &paged_attention);
+        "float softmax_scale, Tensor(a!) out, bool per_token=False) -> ()", &paged_attention);
 }
