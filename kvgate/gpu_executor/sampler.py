@@ -9,10 +9,11 @@ depends on the batch it was sampled in, on preemption, or on the restore mode.
 Two forms of the same rules:
 
 - :func:`sample` (the executor's): every row of a step at once, on the logits' device. The
-  filters and the draw are batched tensor operations with per-row parameters, the seeded
-  uniforms are made on the host (a few bytes per row) and go to the device in one copy, and the
-  tokens come back in one copy: no per-row transfers or synchronizations. Each row's
-  arithmetic is its own row's (row-wise softmax, sort, cumsum), so batching changes no result;
+  filters and the draw are batched tensor operations with per-row parameters; the parameters
+  and the seeded uniforms are made on the host (a few bytes per row) and copied without waiting
+  (pinned memory on CUDA), so :func:`sample_on_device` never waits for the device, and the
+  tokens come back in one copy. Each row's arithmetic is its own row's (row-wise softmax, sort,
+  cumsum), so batching changes no result;
 - :func:`sample_each`: one row at a time (:func:`filtered_probs`, :func:`draw`), the plain
   statement of the rules; the unpaged reference generation samples with it, so the executor's
   equivalence tests compare the two forms.
@@ -100,14 +101,22 @@ def sample_each(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
 # ------------------------------------------------------------------------ every row at once
 
 
+def _on(device: torch.device, values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied without making the host wait for it."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _batched_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """:func:`filtered_probs` of every row of ``logits [m, V]`` (every row sampled)."""
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    temperature = _on(device, [r.params.temperature for r in rows], torch.float32)
     scaled = logits.float() / temperature.unsqueeze(1)
     ks = [r.params.top_k if r.params.top_k is not None else vocab for r in rows]
     if min(ks) < vocab:
-        k = torch.tensor([min(k, vocab) for k in ks], device=device).unsqueeze(1)
+        k = _on(device, [min(k, vocab) for k in ks], torch.int64).unsqueeze(1)
         kth = torch.sort(scaled, dim=-1, descending=True).values.gather(1, k - 1)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
@@ -117,7 +126,7 @@ def _batched_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         limit = [p if p < 1.0 else float("inf") for p in top_ps]
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= torch.tensor(limit, device=device).unsqueeze(1)
+        drop_sorted = mass_before >= _on(device, limit, torch.float32).unsqueeze(1)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
@@ -127,8 +136,8 @@ def _batched_draw(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """:func:`draw` for every row of ``probs [m, V]``: int64 ``[m]`` on their device."""
     weights = probs.double()
     cdf = torch.cumsum(weights, dim=-1)
-    uniforms = torch.tensor([row_uniform(r) for r in rows], dtype=torch.float64)
-    target = uniforms.to(probs.device, non_blocking=True).unsqueeze(1) * cdf[:, -1:]
+    uniforms = _on(probs.device, [row_uniform(r) for r in rows], torch.float64)
+    target = uniforms.unsqueeze(1) * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).squeeze(1)
     vocab = probs.shape[-1]
     positive = (weights > 0.0).flip(-1)
@@ -136,19 +145,25 @@ def _batched_draw(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return torch.minimum(index, last_possible)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
-    """One token per row of fp32 ``logits [len(rows), V]``, every row at once on their device."""
-    if not rows:
-        return []
+def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """int64 ``[len(rows)]`` on the logits' device: one token per row of fp32 ``logits``,
+    queued on the device without waiting for it."""
     tokens = torch.argmax(logits, dim=-1)
     drawn = [i for i, row in enumerate(rows) if row.params.temperature != 0.0]
     if drawn:
-        index = torch.tensor(drawn, device=logits.device)
+        index = _on(logits.device, drawn, torch.int64)
         chosen = [rows[i] for i in drawn]
         tokens = tokens.index_copy(
             0, index, _batched_draw(_batched_probs(logits[index], chosen), chosen)
         )
-    return [int(t) for t in tokens.tolist()]
+    return tokens
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """One token per row of fp32 ``logits [len(rows), V]``, every row at once on their device."""
+    if not rows:
+        return []
+    return [int(t) for t in sample_on_device(logits, rows).tolist()]
 
 
 def logprob_fields(
@@ -164,14 +179,14 @@ def logprob_fields(
     if not asking:
         return fields
     device = logits.device
-    logprobs = torch.log_softmax(logits[torch.tensor(asking, device=device)].float(), dim=-1)
-    chosen = torch.tensor([tokens[i] for i in asking], device=device).unsqueeze(1)
+    logprobs = torch.log_softmax(logits[_on(device, asking, torch.int64)].float(), dim=-1)
+    chosen = _on(device, [tokens[i] for i in asking], torch.int64).unsqueeze(1)
     picked = logprobs.gather(1, chosen).squeeze(1).tolist()
     counts = [rows[i].params.logprobs or 0 for i in asking]
     alternatives: dict[int, list[TokenLogprob]] = {}
     for n in sorted(set(counts) - {0}):
         members = [j for j, c in enumerate(counts) if c == n]
-        top = torch.topk(logprobs[torch.tensor(members, device=device)], n, dim=-1)
+        top = torch.topk(logprobs[_on(device, members, torch.int64)], n, dim=-1)
         for j, values, ids in zip(members, top.values.tolist(), top.indices.tolist(), strict=True):
             alternatives[j] = [
                 TokenLogprob(token_id=int(t), logprob=float(v))

@@ -66,3 +66,23 @@ def test_memory_fraction_sizing_and_pinned_snapshots(looped_dir: Path) -> None:
     result = executor.execute(wire.StepPlan(step_id=3, swap_in=[swap_in], decode=decode))
     assert result.error is None and result.timings.kernel_s is not None
     assert 0.0 < result.timings.kernel_s < result.timings.execute_s
+
+
+def test_the_sampler_draws_on_the_device_without_waiting_for_it() -> None:
+    """Every row of a mixed batch is drawn on the GPU with no host synchronization (CUDA's sync
+    debug mode raises on any) and gets the token the one-row rules give on the CPU."""
+    from kvgate.gpu_executor.sampler import SampleRow, sample_each, sample_on_device
+    from tests.gpu_executor.test_executor_sampling import MIXED_PARAMS
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 49152, generator=gen) * torch.linspace(0.1, 8.0, 64).unsqueeze(1)
+    rows = [SampleRow(f"r{i}", 3 * i, MIXED_PARAMS[i % len(MIXED_PARAMS)]) for i in range(64)]
+    on_gpu = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample_on_device(on_gpu, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.is_cuda
+    assert tokens.tolist() == sample_each(logits, rows)
