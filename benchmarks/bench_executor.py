@@ -12,7 +12,12 @@ The ratio paged/dense is measured in the same run: trials of the two alternate, 
 shows median rates and the median of per-trial ratios. On a GPU a 1B-class config (random weights,
 bf16) is measured too, with the share of step time spent in the attention/KV kernels.
 
+Decode steps also show the memory bandwidth they reach: the bytes a step must read (every
+weight once, the K and V of every row's context, on average over the measured steps) over the
+step time at the paged rate, and with ``--peak-gbs`` its share of that roofline.
+
     PYTHONPATH=. python benchmarks/bench_executor.py [--threads N] [--steps N] [--gpu-only]
+        [--peak-gbs 4800]
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -105,6 +110,12 @@ class PagedRun:
         self.kernel_s = 0.0
         self.execute_s = 0.0
         self.decoders = [f"d{i}" for i in range(batch - 1 if mixed else batch)]
+        self.decode_steps = 0
+        self.bytes_read = 0  # by the decode steps: weights once each, every row's K and V
+        self._weight_bytes = weight_bytes(executor.model)
+        cfg = executor.model.config
+        element = executor.cache.keys.element_size()
+        self._kv_bytes_per_position = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
         self.mixed = mixed
         self.feeder_pos = 0
         self._free_blocks = iter(range(executor.info.num_blocks))
@@ -156,7 +167,23 @@ class PagedRun:
             self.feeder_pos += CHUNK
         decode = wire.DecodeRows(request_ids=self.decoders, positions=[None] * n, depths=[None] * n)
         self._run(wire.StepPlan(step_id=self._next(), prefill_rows=rows, decode=decode))
+        # Each row attends over its prompt, the tokens decoded so far and this one.
+        context = PROMPT_LEN + self.decode_steps + 1
+        self.bytes_read += self._weight_bytes + n * context * self._kv_bytes_per_position
+        self.decode_steps += 1
         return n + (CHUNK if self.mixed else 0)
+
+
+def weight_bytes(model: Model) -> int:
+    """Bytes of the weights one step reads: every layer's tensors, the final norm and the LM
+    head (the embedding's rows are gathered, not read whole; a tied head is counted once)."""
+    total = model.weights.norm.nbytes + model.weights.lm_head.nbytes
+    for layer in model.weights.layers:
+        for field in fields(layer):
+            tensor = getattr(layer, field.name)
+            if tensor is not None:
+                total += tensor.nbytes
+    return int(total)
 
 
 # ------------------------------------------------------------------------------- dense
@@ -249,13 +276,23 @@ class DenseRun:
 
 
 def measure(
-    model_dir: Path, *, device: str, dtype: DType, batches: list[int], steps: int, warmup: int
+    model_dir: Path,
+    *,
+    device: str,
+    dtype: DType,
+    batches: list[int],
+    steps: int,
+    warmup: int,
+    peak_gbs: float | None = None,
 ) -> None:
     loaded = load_model(model_dir, device=device, dtype=dtype)
     torch_device = loaded.model.device
     total = warmup + TRIALS * steps
-    print("| step kind | batch | paged tok/s | dense tok/s | paged/dense | kernel share |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| step kind | batch | paged tok/s | dense tok/s | paged/dense | kernel share "
+        "| decode GB/s | of peak |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for mixed in (False, True):
         for batch in batches:
             per_request = -(-(PROMPT_LEN + total + 2) // BLOCK_SIZE)
@@ -271,9 +308,15 @@ def measure(
             )  # fmt: skip
             share = paged.kernel_s / paged.execute_s
             kind = "mixed" if mixed else "decode"
+            bandwidth, of_peak = "—", "—"
+            if not mixed:
+                # tokens/s over tokens per step = steps/s; times the bytes a step reads.
+                gbs = paged.bytes_read / paged.decode_steps * paged_rate / batch / 1e9
+                bandwidth = f"{gbs:,.0f}"
+                of_peak = f"{gbs / peak_gbs:.0%}" if peak_gbs else "—"
             print(
                 f"| {kind} | {batch} | {paged_rate:,.0f} | {dense_rate:,.0f} | {ratio:.2f} | "
-                f"{share:.0%} |",
+                f"{share:.0%} | {bandwidth} | {of_peak} |",
                 flush=True,
             )
             del executor, paged, dense
@@ -285,6 +328,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per trial")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--gpu-only", action="store_true", help="skip the CPU measurement")
+    parser.add_argument(
+        "--peak-gbs", type=float, help="the GPU's peak memory bandwidth (H200: 4800)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -300,7 +346,10 @@ def main() -> None:
             print(f"# GPU {torch.cuda.get_device_name()}: 16 layers, hidden 2048, 32/8 heads, bf16")
             make_tiny_model(Path(tmp) / "1b", ONE_B)
             big = Path(tmp) / "1b"
-            measure(big, device="cuda", dtype=DType.BFLOAT16, batches=[1, 8, 32, 128], **timing)
+            measure(
+                big, device="cuda", dtype=DType.BFLOAT16, batches=[1, 8, 32, 128],
+                peak_gbs=args.peak_gbs, **timing,
+            )  # fmt: skip
         else:
             print("# no CUDA device: GPU figures not measured")
 

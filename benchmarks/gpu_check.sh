@@ -5,6 +5,9 @@
 #                                     the device with no host synchronization)
 #   3. benchmarks/bench_kernels.py   (prefill/decode vs SDPA and flash-attn; extra args go here,
 #                                     e.g. --sweep or --peak-gbs 4800)
+#   4. benchmarks/bench_executor.py --gpu-only (the 1B-class configuration end to end: tok/s per
+#                                     batch, kernel share, decode bandwidth and its share of
+#                                     PEAK_GBS, default 4800 for an H200)
 # Everything is printed; the exit status is non-zero if either step failed.
 # PYTHON selects the interpreter (default: python3 with torch and triton installed).
 set -uo pipefail
@@ -28,4 +31,7 @@ fi
 "$PY" -m pytest "${pytest_args[@]}" || status=1
 echo "== benchmarks/bench_kernels.py $*"
 "$PY" benchmarks/bench_kernels.py "$@" || status=1
+echo "== benchmarks/bench_executor.py --gpu-only"
+"$PY" benchmarks/bench_executor.py --gpu-only --steps 8 --warmup 2 --peak-gbs "${PEAK_GBS:-4800}" \
+  || status=1
 exit "$status"
