@@ -116,14 +116,18 @@ def test_write_kv_matches_index_put_bit_for_bit() -> None:
 PREFILL_ROWS = [Row(40, 40), Row(1, 23), Row(37, 100), Row(0, 0), Row(3, 3), Row(1, 1)]
 
 
+def _plan(batch: PagedBatch, **flags: bool) -> kernels.AttentionPlan | None:
+    return kernels.plan_attention(
+        batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
+        block_size=batch.key_cache.shape[1], **flags,
+    )  # fmt: skip
+
+
 def _compiled_and_torch(batch: PagedBatch) -> dict[bool, torch.Tensor]:
     results = {}
     for compiled in (False, True):
-        plan = kernels.plan_attention(
-            batch.block_tables, batch.query_start_loc, batch.seq_lens,
-            num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
-            block_size=batch.key_cache.shape[1], compiled=compiled,
-        )  # fmt: skip
+        plan = _plan(batch, compiled=compiled)
         results[compiled] = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
     return results
 
@@ -160,11 +164,7 @@ def test_attention_with_mixed_rows(block_size: int) -> None:
 
 
 def _per_token_plan(batch: PagedBatch) -> kernels.AttentionPlan | None:
-    return kernels.plan_attention(
-        batch.block_tables, batch.query_start_loc, batch.seq_lens,
-        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
-        block_size=batch.key_cache.shape[1], compiled=True, per_token=True,
-    )  # fmt: skip
+    return _plan(batch, compiled=True, per_token=True)
 
 
 @pytest.mark.usefixtures("compiled_kernels")
@@ -199,20 +199,20 @@ def test_per_token_attention_does_not_depend_on_the_chunk(head_dim: int) -> None
             assert torch.equal(out[0], chunked[token]), f"row {row} token {t}"
 
 
-@pytest.mark.usefixtures("compiled_kernels")
-def test_per_token_attention_refuses_caches_it_cannot_read() -> None:
-    batch = build_batch(
+def _half_precision_batch() -> PagedBatch:
+    return build_batch(
         MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
         dtype=torch.float16,
     )  # fmt: skip
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_per_token_attention_refuses_caches_it_cannot_read() -> None:
+    batch = _half_precision_batch()
     with pytest.raises(ValueError, match="per-token attention needs float32"):
         kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=_per_token_plan(batch))
     with pytest.raises(ValueError, match="compiled kernel only"):
-        kernels.plan_attention(
-            batch.block_tables, batch.query_start_loc, batch.seq_lens,
-            num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
-            block_size=batch.key_cache.shape[1], per_token=True,
-        )  # fmt: skip
+        _plan(batch, per_token=True)
 
 
 def _refuse_torch_groups(*args: object, **kwargs: object) -> None:
@@ -226,11 +226,7 @@ def test_a_compiled_plan_builds_no_torch_groups_for_float32_caches(
     batch = build_batch(MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
     monkeypatch.setattr(torch_attention.DecodeSlots, "build", _refuse_torch_groups)
     monkeypatch.setattr(torch_attention, "_QueryChunk", _refuse_torch_groups)
-    plan = kernels.plan_attention(
-        batch.block_tables, batch.query_start_loc, batch.seq_lens,
-        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
-        block_size=batch.key_cache.shape[1], compiled=True,
-    )  # fmt: skip
+    plan = _plan(batch, compiled=True)
     for _ in range(2):  # every layer of a step
         out = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
         assert_matches_reference(batch, out)
@@ -239,15 +235,8 @@ def test_a_compiled_plan_builds_no_torch_groups_for_float32_caches(
 @pytest.mark.usefixtures("compiled_kernels")
 def test_a_compiled_plan_still_serves_half_precision_caches() -> None:
     # The compiled kernel reads float32 only: the torch groups are built on first use.
-    batch = build_batch(
-        MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
-        dtype=torch.float16,
-    )  # fmt: skip
-    plan = kernels.plan_attention(
-        batch.block_tables, batch.query_start_loc, batch.seq_lens,
-        num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
-        block_size=batch.key_cache.shape[1], compiled=True,
-    )  # fmt: skip
+    batch = _half_precision_batch()
+    plan = _plan(batch, compiled=True)
     assert isinstance(plan, kernels.AttentionPlan)
     for _ in range(2):
         out = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
