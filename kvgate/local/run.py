@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--smollm2", action="store_true", help="the packaged SmolLM2-135M-Instruct (real text)"
     )
     parser.add_argument("--threads", type=int, default=2, help="executor torch threads")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the executor's batch-invariant mode: a request's tokens and logprobs do not "
+        "depend on what it is batched with",
+    )
     parser.add_argument("--family", choices=["llama", "looped"], default="llama")
     parser.add_argument("--port", type=int, help="Kafka port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--num-blocks", type=int, default=256, help="executor KV cache blocks")
@@ -68,6 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
         model_dir=args.model_dir,
         model_gguf=gguf,
         executor_threads=args.threads,
+        executor_batch_invariant=args.batch_invariant,
         family=args.family,
         num_blocks=args.num_blocks,
         broker_port=args.port,

@@ -54,6 +54,7 @@ class StackOptions:
     prefill_chunk_size: int = 64
     max_num_batched_tokens: int = 256
     executor_threads: int = 1
+    executor_batch_invariant: bool = False  # kvgate executor --batch-invariant
     broker_port: int | None = None
     executor_ready_timeout_s: float = 240.0
     timeline_steps: int = 0
@@ -128,6 +129,8 @@ class ExecutorProcess:
             "--block-size", str(o.block_size), "--host-snapshot-blocks",
             str(o.host_snapshot_blocks), "--executor-id", "executor-0", "--no-calibrate",
         )  # fmt: skip
+        if o.executor_batch_invariant:
+            argv.append("--batch-invariant")
         env = dict(os.environ, KVGATE_EXECUTOR_TOKEN=self.token, OTEL_SDK_DISABLED="true")
         # One torch thread by default: the tiny model gains nothing from more, and on a small
         # machine shared with the service and the broker extra threads only contend (30x slower

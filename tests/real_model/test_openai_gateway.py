@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,15 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def client(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
-    out = tmp_path_factory.mktemp("run-smollm2")
+@contextmanager
+def running(out: Path, *extra: str) -> Iterator[OpenAI]:
+    """``kvgate run --smollm2 --gateway [extra]`` on loopback, and an ``openai`` client for it."""
     log = out / "run.log"
     port = free_port()
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvgate", "run", "--smollm2", "--gateway", "--gateway-port",
-             str(port), "--port", str(free_port()), "--out-dir", str(out)],
+             str(port), "--port", str(free_port()), "--out-dir", str(out), *extra],
             env=_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
@@ -40,6 +41,12 @@ def client(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     finally:
         _stop(process)
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    with running(tmp_path_factory.mktemp("run-smollm2")) as served:
+        yield served
 
 
 def greedy(hf_model: Any, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
