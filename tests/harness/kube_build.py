@@ -248,6 +248,9 @@ def prepare(progress: Progress = log_progress) -> ClusterParts:
     containerd = ensure_command("containerd", "containerd", log_path, progress)
     ctr = ensure_command("ctr", "containerd", log_path, progress)
     runc = ensure_command("runc", "runc", log_path, progress)
+    # kube-proxy's rules and the harness's egress counters; docker.io pulls it in too, but the
+    # cluster tier may run before anything installed docker.io on a fresh machine.
+    ensure_command("iptables", "iptables", log_path, progress)
     apiserver = build_apiserver(progress)
     components = build_components(progress)
     return ClusterParts(
