@@ -25,6 +25,7 @@ from kvgate.gpu_executor.tensor_parallel.ranks import (
     build_rank_executor,
     follow,
     join_group,
+    leave_group,
 )
 from kvgate.protocol import step as wire
 from tests.gpu_executor.driver import Driver, DriverConfig
@@ -84,6 +85,7 @@ def main(task: str, rank: int, port: int, out: Path, models: list[Path]) -> int:
         backend.stop()
     if rank == 0:
         out.write_text(json.dumps(outputs))
+    leave_group()
     return 0
 
 

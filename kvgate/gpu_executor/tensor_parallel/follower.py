@@ -12,6 +12,7 @@ from kvgate.gpu_executor.tensor_parallel.ranks import (
     build_rank_executor,
     follow,
     join_group,
+    leave_group,
 )
 
 log = logging.getLogger("kvgate.executor.rank")
@@ -26,6 +27,7 @@ def main(argv: list[str]) -> int:
     except Exception:
         log.exception("rank %d failed", spec.rank)
         return 1
+    leave_group()  # released by rank 0: every collective is done
     return 0
 
 

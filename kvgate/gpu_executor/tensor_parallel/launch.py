@@ -29,6 +29,7 @@ from kvgate.gpu_executor.tensor_parallel.ranks import (
     TensorParallelExecutor,
     build_rank_executor,
     join_group,
+    leave_group,
 )
 from kvgate.gpu_executor.tensor_parallel.shards import ShardPlan
 from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy
@@ -134,6 +135,8 @@ def run_tensor_parallel(
         for backend in backends:
             if not failed.is_set():
                 backend.stop()
+        if not failed.is_set():
+            leave_group()
         _reap(followers)
     return 1 if failed.is_set() else code
 

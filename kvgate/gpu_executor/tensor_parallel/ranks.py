@@ -96,6 +96,15 @@ def join_group(spec: RankSpec) -> tuple[TensorParallel, ControlChannel]:
     return TensorParallel(ShardPlan(spec.rank, spec.world_size), world), channel
 
 
+def leave_group() -> None:
+    """Tear down this rank's process groups (the world and the control group) before the process
+    exits: left to interpreter teardown, gloo's worker threads can still be joinable when their
+    owner is destroyed, and the process aborts (``terminate called without an active
+    exception``) after a clean run."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def build_rank_executor(spec: RankSpec, parallel: TensorParallel) -> Executor:
     """Collective: this rank's shard and KV cache; every rank ends with the same block count."""
     device = spec.torch_device
