@@ -22,6 +22,7 @@ Two forms of the same rules:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +102,7 @@ def sample_each(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
 # ------------------------------------------------------------------------ every row at once
 
 
-def _on(device: torch.device, values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+def _on(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied without making the host wait for it."""
     host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
@@ -116,9 +117,13 @@ def _batched_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     scaled = logits.float() / temperature.unsqueeze(1)
     ks = [r.params.top_k if r.params.top_k is not None else vocab for r in rows]
     if min(ks) < vocab:
-        k = _on(device, [min(k, vocab) for k in ks], torch.int64).unsqueeze(1)
-        kth = torch.sort(scaled, dim=-1, descending=True).values.gather(1, k - 1)
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        # The k-th largest of each filtered row from one top-k of the largest k asked (not a sort
+        # of the vocabulary); rows without top-k (k = V) keep everything.
+        widest = max(k for k in ks if k < vocab)
+        k = _on(device, [min(k, widest) for k in ks], torch.int64).unsqueeze(1)
+        kth = torch.topk(scaled, widest, dim=-1).values.gather(1, k - 1)
+        filtered = _on(device, [k < vocab for k in ks], torch.bool).unsqueeze(1)
+        scaled = scaled.masked_fill(filtered & (scaled < kth), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     top_ps = [r.params.top_p for r in rows]
     if min(top_ps) < 1.0:
