@@ -15,6 +15,9 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the client
     DEADLINE = "deadline"  # its deadline passed before it finished
+    # The model called tools (a result's reason only: the token stop rule never gives it; the
+    # service reports it when it found tool calls in an output that ended with ``stop``).
+    TOOL_CALLS = "tool_calls"
 
 
 class RestoreMode(StrEnum):

@@ -41,6 +41,7 @@ class Geometry:
     vocab_size: int
     max_model_len: int
     host_snapshot_blocks: int
+    structured_outputs: bool = False  # it can mask by a grammar (ExecutorInfo's flag)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +129,19 @@ class _Shadow:
 
 def _check_new_request(request: NewRequest, geo: Geometry) -> None:
     rid = request.request_id
-    tokens = request.prompt_token_ids + request.output_token_ids
+    sampling = request.sampling
+    tokens = [
+        *request.prompt_token_ids,
+        *request.output_token_ids,
+        *sampling.logit_bias,
+        *sampling.stop_token_ids,
+    ]
     if max(tokens) >= geo.vocab_size:
         raise PlanError(
             ErrorCode.BAD_PLAN, f"token id {max(tokens)} >= vocab size {geo.vocab_size}", rid
         )
+    if sampling.grammar is not None and not geo.structured_outputs:
+        raise PlanError(ErrorCode.BAD_PLAN, "this executor cannot enforce a grammar", rid)
     problem = length_problem(
         len(request.prompt_token_ids), request.sampling.max_tokens, geo.max_model_len
     )

@@ -16,6 +16,16 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvgate.protocol.enums import FinishReason, RestoreMode
+from kvgate.protocol.stopping import DEFAULT_MAX_TOKENS
+from kvgate.protocol.structured import StructuredOutput
+from kvgate.protocol.tenants import TenantName
+from kvgate.protocol.tools import (
+    MAX_TOOLS,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolDefinition,
+)
 
 SCHEMA_VERSION: Final = 1
 REQUEST_ID_PATTERN: Final = r"^[A-Za-z0-9._:/@+=-]{1,256}$"
@@ -28,6 +38,11 @@ RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(ge=0.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+MAX_CHOICES: Final = 16  # n: choices of one request
+MAX_LOGIT_BIAS: Final = 1024  # entries of logit_bias
+MAX_STOP_TOKEN_IDS: Final = 64
 
 
 class _Message(BaseModel):
@@ -52,13 +67,41 @@ class _Input(_Message):
 
 
 class RequestSampling(_Input):
+    """How tokens are drawn; every field means what vLLM's sampling parameter of that name means.
+
+    Order of application to one row's logits: the structured-output mask, ``logit_bias``,
+    ``min_tokens`` (the EOS and ``stop_token_ids`` masked until that many outputs), the
+    repetition, frequency and presence penalties, then temperature, ``min_p``, ``top_k``,
+    ``top_p`` and one seeded draw (``kvgate.executor.sampler``).
+    """
+
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: PositiveInt | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     # Set: the same prompt, settings and seed draw the same tokens whatever the request id (as
-    # vLLM's per-request seed). Unset: every request draws afresh (keyed by its id).
+    # vLLM's per-request seed). Unset: every request draws afresh (keyed by its id). With n > 1
+    # each choice draws from its own stream of the seed.
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     ignore_eos: bool = False
+    # Subtracted once from a token's logit if it occurs among the outputs (presence), and per
+    # occurrence (frequency); OpenAI's ranges.
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # Logits of tokens in the prompt or the outputs divided by it when positive, multiplied when
+    # negative (the CTRL rule, as vLLM and transformers apply it); 1 is off.
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    # Added to a token's logit before anything else but the mask (OpenAI: -100 bans, 100 forces).
+    logit_bias: Annotated[
+        dict[NonNegativeInt, Annotated[float, Field(ge=-100.0, le=100.0)]],
+        Field(max_length=MAX_LOGIT_BIAS),
+    ] = Field(default_factory=dict)
+    # The EOS and stop_token_ids cannot end the request before this many outputs.
+    min_tokens: NonNegativeInt = 0
+    # Tokens that end the request like the EOS (finish_reason "stop"; the token is an output).
+    stop_token_ids: Annotated[list[NonNegativeInt], Field(max_length=MAX_STOP_TOKEN_IDS)] = Field(
+        default_factory=list
+    )
 
 
 class RequestLoops(_Input):
@@ -76,8 +119,22 @@ class RequestLoops(_Input):
 
 
 class ChatMessage(_Message):
-    role: Annotated[str, Field(min_length=1, max_length=64)]  # system, user, assistant, ...
-    content: str
+    """One turn of a conversation: system, user, assistant (text, or the tool calls it made) or
+    tool (a call's result, naming the call in ``tool_call_id``)."""
+
+    role: Annotated[str, Field(min_length=1, max_length=64)]  # system, user, assistant, tool, ...
+    content: str | None = None  # None only for an assistant turn that made tool calls
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs content (or tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
 
 class ReplyTo(_Input):
@@ -111,7 +168,8 @@ class InferenceRequest(_Input):
         | None
     ) = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    max_tokens: PositiveInt = 16
+    # 0 only scores the prompt (with prompt_logprobs): nothing is generated.
+    max_tokens: NonNegativeInt = DEFAULT_MAX_TOKENS
     # Generation ends (finish_reason "stop") once the text contains one of these; the result's
     # text ends before it. Needs the service's tokenizer.
     stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] = Field(
@@ -119,17 +177,72 @@ class InferenceRequest(_Input):
     )
     # Each generated token's log-probability and this many most likely alternatives.
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Each prompt token's log-probability given the tokens before it, and this many alternatives
+    # (prompt scoring; the prompt is computed in full, never taken from the prefix cache).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Independent choices for the same prompt: one prefill shared through the prefix cache,
+    # each choice its own draws (``choices`` in the result).
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     priority: int = 0
     sampling: RequestSampling = RequestSampling()
     loops: RequestLoops = RequestLoops()
+    structured_output: StructuredOutput | None = None
+    # Functions the model may call (messages only): rendered by the chat template; tool_choice
+    # "required" or a named function is forced by the structured-output mask, "auto" is parsed
+    # from the model's own format. Default choice: "auto" with tools, "none" without.
+    tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     deadline_unix_s: Annotated[float, Field(gt=0.0)] | None = None
     reply: ReplyTo | None = None  # a gateway's own reply address (answers are copied there)
+    # Whose share it is served from (fair sharing, quotas; a gateway sets its API key's tenant),
+    # and a hint that requests with the same key share a prompt prefix (placement; a gateway
+    # maps OpenAI's prompt_cache_key, else user).
+    tenant: TenantName | None = None
+    affinity_key: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> InferenceRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.sampling.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"sampling.min_tokens ({self.sampling.min_tokens}) > max_tokens ({self.max_tokens})"
+            )
+        if self.max_tokens == 0 and (self.prompt_logprobs is None or self.n > 1):
+            raise ValueError("max_tokens 0 only scores the prompt: give prompt_logprobs and n 1")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages (the chat template renders them)")
+        # A forced tool call with a structured output: the call is the output (the structured
+        # output shapes text, which a forced call leaves none of), as OpenAI's API has it.
+        if self.tool_choice not in (None, ToolChoiceMode.NONE) and self.tools is None:
+            raise ValueError("tool_choice needs tools")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if (
+            choice is not None
+            and not isinstance(choice, ToolChoiceMode)
+            and choice.name not in names
+        ):
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
         return self
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """What the request asked for, with OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return ToolChoiceMode.AUTO if self.tools else ToolChoiceMode.NONE
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """Whether the output must be tool calls (required, or one named function)."""
+        return self.tools is not None and self.effective_tool_choice not in (
+            ToolChoiceMode.NONE,
+            ToolChoiceMode.AUTO,
+        )
 
 
 class AbortRequest(_Input):
@@ -193,6 +306,10 @@ class RejectCode(StrEnum):
     TOKEN_OUT_OF_VOCABULARY = "token_out_of_vocabulary"
     INFEASIBLE = "infeasible"
     DUPLICATE = "duplicate"
+    # A structured output (schema, regex, choice, grammar) or tool the grammar engine refuses,
+    # or one this pool cannot enforce (its model has no tokenizer or no EOS).
+    STRUCTURED_OUTPUT = "structured_output"
+    QUOTA_EXCEEDED = "quota_exceeded"  # its tenant's tokens-per-minute quota has no room now
 
 
 class TokenLogprob(_Message):
@@ -212,7 +329,36 @@ class OutputLogprobs(_Message):
     top: list[TokenLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(_Message):
+    """One prompt token: its log-probability given the tokens before it (None for the first,
+    which has no context) and the most likely tokens at its position."""
+
+    token_id: NonNegativeInt
+    logprob: float | None = None  # None (or absent, as written without nulls): the first token
+    token: str | None = None
+    top: list[TokenLogprob] = Field(default_factory=list)
+
+
+class Choice(_Message):
+    """One of the ``n`` choices of a request (``InferenceResult.choices``)."""
+
+    index: NonNegativeInt
+    finish_reason: FinishReason | None = None
+    output_token_ids: list[NonNegativeInt] = Field(default_factory=list)
+    text: str | None = None
+    logprobs: list[OutputLogprobs] | None = None
+    tool_calls: list[ToolCall] | None = None
+    exit_depths: list[PositiveInt] = Field(default_factory=list)
+
+
 class InferenceResult(_Message):
+    """The answer to one request. With ``n > 1`` the top-level fields are choice 0's and
+    ``choices`` holds every choice in index order (``usage.completion_tokens`` counts them all).
+
+    ``tool_calls`` (``finish_reason`` ``tool_calls``): the calls the model made; ``text`` is then
+    what it wrote besides them (None when nothing).
+    """
+
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: str
     status: ResultStatus
@@ -222,6 +368,9 @@ class InferenceResult(_Message):
     output_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     text: str | None = None  # when the service has a tokenizer
     logprobs: list[OutputLogprobs] | None = None  # when the request asked for them
+    tool_calls: list[ToolCall] | None = None
+    choices: list[Choice] | None = None  # n > 1
+    prompt_logprobs: list[PromptLogprob] | None = None  # when the request asked for them
     exit_depths: list[PositiveInt] = Field(default_factory=list)
     usage: Usage
     timings: Timings
@@ -230,19 +379,26 @@ class InferenceResult(_Message):
 
 
 class TokenChunk(_Message):
-    """One generated token on the optional token stream (in order per request)."""
+    """One generated token on the optional token stream (in order per request and choice)."""
 
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: str
     index: NonNegativeInt
     token_id: NonNegativeInt
     exit_depth: PositiveInt
+    choice: NonNegativeInt = 0  # which of the request's n choices
+    # When the request asked for logprobs: the token's and its alternatives' (no text: a reader
+    # with the tokenizer decodes them, the result carries the text).
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
 
 
 # -------------------------------------------------------------------------- dead letters
 
-# On records written to a reply topic: which model the value is ("result" or "token").
+# On records written to a reply topic: which model the value is.
 REPLY_KIND_HEADER: Final = "kvgate-reply-kind"
+REPLY_KIND_RESULT: Final = b"result"  # an InferenceResult
+REPLY_KIND_TOKEN: Final = b"token"  # a TokenChunk
 
 DLQ_CODE_HEADER: Final = "kvgate-dlq-code"
 DLQ_REASON_HEADER: Final = "kvgate-dlq-reason"

@@ -52,6 +52,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvgate.protocol.stopping import DEFAULT_MAX_TOKENS
+from kvgate.protocol.structured import GrammarSpec
+
 PROTOCOL_VERSION = 1
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -68,16 +71,41 @@ class SamplingParams(_Frozen):
     Draws use a generator keyed by ``(seed, position)`` — or ``(request_id, position)`` when no
     seed is set — so a token never depends on batch composition, preemption or the restore
     mode, and a seeded request is reproducible under any request id.
+
+    The logit processors (``grammar``, ``logit_bias``, ``min_tokens``, the penalties, ``min_p``)
+    are the Kafka record's fields of the same names (``RequestSampling``); every one depends only
+    on the request's prompt and outputs, so a recompute restore or a migration rebuilds it from
+    them.
     """
 
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    max_tokens: PositiveInt = 16
+    # When generation ends on a token: ``kvgate.protocol.stopping.StopRule``.
+    max_tokens: PositiveInt = DEFAULT_MAX_TOKENS
     ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    logit_bias: dict[NonNegativeInt, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+        default_factory=dict
+    )
+    # The output stays inside this grammar (a token mask, ``kvgate.executor.structured``).
+    grammar: GrammarSpec | None = None
     # Return each sampled token's log-probability and the top ``logprobs`` alternatives.
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Return each prompt token's log-probability (and this many alternatives) as its fill runs.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
 
 class LoopParams(_Frozen):
@@ -270,6 +298,18 @@ class SampledToken(_Frozen):
     top_logprobs: list[TokenLogprob] | None = None
 
 
+class PromptLogprobs(_Frozen):
+    """Log-probabilities of prompt tokens ``[first_position, first_position + len(logprobs))``,
+    each given the tokens before it, from one fill row (``SamplingParams.prompt_logprobs``).
+    ``top_logprobs[i]``: the most likely tokens at that position, most likely first."""
+
+    request_id: str
+    first_position: PositiveInt
+    token_ids: list[NonNegativeInt]
+    logprobs: list[float]
+    top_logprobs: list[list[TokenLogprob]] = Field(default_factory=list)
+
+
 class DecodeOutcomes(_Frozen):
     """What each decode row did (columnar, in plan order, skipped rows left out)."""
 
@@ -318,6 +358,7 @@ class StepResult(_Frozen):
     type: Literal["result"] = "result"
     step_id: PositiveInt
     tokens: list[SampledToken] = Field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = Field(default_factory=list)
     decode: DecodeOutcomes = DecodeOutcomes()
     skipped_request_ids: list[str] = Field(default_factory=list)
     timings: StepTimings = StepTimings()
@@ -344,6 +385,8 @@ class ExecutorInfo(_Frozen):
     # Serves and stages KV snapshots (plan ops export/adopt, /v1/snapshots): a drain may move
     # its requests here with their KV instead of recomputing them.
     snapshot_migration: bool = False
+    # Masks logits by a grammar (SamplingParams.grammar): it has the model's tokenizer and EOS.
+    structured_outputs: bool = False
 
 
 class SessionOpen(_Frozen):

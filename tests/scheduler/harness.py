@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
-from kvgate.admission_service.scheduler.events import FinishedEvent, RequestEvent
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import Scheduler
-from kvgate.admission_service.scheduler.strategy import Strategy
 from kvgate.protocol.step import LoopParams, SamplingParams, StepPlan
+from kvgate.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
+from kvgate.scheduler.events import FinishedEvent, RequestEvent
+from kvgate.scheduler.request import RequestSpec
+from kvgate.scheduler.scheduler import Scheduler
+from kvgate.scheduler.strategy import Strategy
 from kvgate.sim.executor import SimExecutor
 from kvgate.sim.workload import ModelSection
 
@@ -81,6 +81,7 @@ def spec(
     prompt: tuple[int, ...] | None = None,
     deadline_s: float | None = None,
     trace: list[int] | None = None,
+    tenant: str | None = None,
 ) -> RequestSpec:
     tokens = (
         prompt
@@ -94,4 +95,5 @@ def spec(
         loops=LoopParams(exit_trace=trace),
         priority=priority,
         deadline_s=deadline_s,
+        tenant=tenant,
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.events import AdmissionKind
+from kvgate.scheduler.events import AdmissionKind
 from tests.scheduler.harness import Rig
 
 
@@ -128,7 +128,7 @@ def test_evicting_the_other_holder_of_a_cached_prefix_is_priced_correctly() -> N
     """Regression (found by the property tests): evicting a victim that shares the requester's
     cached prefix page makes that page evictable, which raises the requester's claim by as much
     as it frees; counting it as freed made a priced admission fail after the eviction."""
-    from kvgate.admission_service.scheduler.config import Mode, PreemptionMode, SchedulerConfig
+    from kvgate.scheduler.config import Mode, PreemptionMode, SchedulerConfig
     from kvgate.sim.simulate import simulate
     from kvgate.sim.workload import (
         CacheSection,

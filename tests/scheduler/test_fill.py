@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.fill import Fill
+from kvgate.scheduler.request import Fill
 
 
 def _run(fill: Fill, budget_chunk: int) -> list[list[tuple[int, int, int]]]:

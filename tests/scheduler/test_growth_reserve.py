@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvgate.admission_service.scheduler.config import PreemptionMode, SchedulerConfig
-from kvgate.admission_service.scheduler.events import AdmissionKind
-from kvgate.admission_service.scheduler.reserve import GrowthReserve, runner_growth_pages
-from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.scheduler.admission import GrowthReserve, runner_growth_pages
+from kvgate.scheduler.config import PreemptionMode, SchedulerConfig
+from kvgate.scheduler.events import AdmissionKind
+from kvgate.scheduler.state import SchedulerState
 from tests.scheduler.harness import Rig
 
 

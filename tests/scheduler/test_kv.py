@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.kv import BlockPool, page_hashes
+from kvgate.scheduler.kv import BlockPool, page_hashes
 
 
 def test_pages_take_one_block_per_plane_and_claims_are_atomic() -> None:
@@ -39,13 +39,12 @@ def test_prefix_pages_are_shared_by_reference_and_evicted_lru_only_when_needed()
     pool.allocate("a", 3, [])
     pool.publish("a", digests, 2)
     pool.release("a")
-    assert pool.num_cached_pages == 2
     assert pool.num_free_blocks == 8  # cached pages held by nobody else count as free
     prefix = pool.lookup_prefix(digests)
     assert len(prefix) == 2
     # A claim that does not fit must not destroy the cached prefix.
     assert pool.allocate("big", 5, []) is None
-    assert pool.num_cached_pages == 2
+    assert pool.lookup_prefix(digests) == prefix
     # Taking the prefix costs its blocks (they stop being evictable) plus the fresh page.
     assert pool.claim_cost(1, prefix) == 6
     fresh = pool.allocate("b", 3, prefix)
@@ -55,7 +54,8 @@ def test_prefix_pages_are_shared_by_reference_and_evicted_lru_only_when_needed()
     # Another request evicts the least recently used cached page only when it must.
     pool.release("b")
     assert pool.allocate("c", 3, []) is not None
-    assert pool.num_cached_pages == 1
+    assert pool.lookup_prefix(digests) == []  # the first page was the least recently used
+    assert pool.lookup_prefix(digests[1:]) == prefix[1:]
     assert pool.check() == []
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
-from kvgate.admission_service.scheduler.events import FinishedEvent
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import Scheduler
 from kvgate.protocol.step import LoopParams, SamplingParams
+from kvgate.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
+from kvgate.scheduler.events import FinishedEvent
+from kvgate.scheduler.request import RequestSpec
+from kvgate.scheduler.scheduler import Scheduler
 from kvgate.sim.backend import SimExecutorConfig
 
 CACHE = CacheConfig(num_blocks=6, block_size=4, host_snapshot_blocks=0)

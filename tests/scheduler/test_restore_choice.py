@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.admission_service.scheduler.events import AdmissionKind
 from kvgate.protocol.enums import RestoreMode
+from kvgate.scheduler.events import AdmissionKind
 from tests.scheduler.harness import Rig
 
 VICTIM_BLOCKS = 6  # 3 pages × 2 planes

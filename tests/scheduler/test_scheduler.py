@@ -6,23 +6,23 @@ import itertools
 
 import pytest
 
-from kvgate.admission_service.scheduler.config import (
+from kvgate.protocol.enums import FinishReason
+from kvgate.protocol.step import ErrorCode, StepError, StepResult
+from kvgate.scheduler.config import (
     CacheConfig,
     ModelShape,
     SchedulerConfig,
 )
-from kvgate.admission_service.scheduler.errors import (
+from kvgate.scheduler.errors import (
     PlanRejected,
     RequestRejected,
     SchedulerStalled,
 )
-from kvgate.admission_service.scheduler.events import FinishedEvent
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.scheduler import Scheduler
-from kvgate.admission_service.scheduler.state import SchedulerState
-from kvgate.admission_service.scheduler.strategy import KvgateStrategy
-from kvgate.protocol.enums import FinishReason
-from kvgate.protocol.step import ErrorCode, StepError, StepResult
+from kvgate.scheduler.events import FinishedEvent
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.scheduler import Scheduler
+from kvgate.scheduler.state import SchedulerState
+from kvgate.scheduler.strategy import KvgateStrategy
 from tests.scheduler.harness import Rig, spec
 
 

@@ -7,6 +7,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvgate.protocol.tenants import TenantName
+
 
 class Policy(StrEnum):
     """Admission order. ``priority``: (priority, arrival); ``fcfs``: arrival only."""
@@ -40,6 +42,19 @@ class AdmissionPricing(StrEnum):
 
     FILL = "fill"
     FIRST_CHUNK = "first_chunk"
+
+
+class Fairness(StrEnum):
+    """Order within a priority class between tenants. ``off``: none (arrival or deadline order
+    alone); ``tokens``: token-weighted fair sharing, by a virtual token counter per tenant
+    (prefill and decode tokens over the tenant's weight), as in "Fairness in Serving Large
+    Language Models" (OSDI 2024): the backlogged tenant with the smallest counter goes first."""
+
+    OFF = "off"
+    TOKENS = "tokens"
+
+
+TenantWeight = Annotated[float, Field(gt=0.0, le=1e6)]
 
 
 class _Settings(BaseModel):
@@ -85,6 +100,19 @@ class SchedulerConfig(_Settings):
     growth_reserve_steps: Annotated[int, Field(ge=0)] = 8
     stall_steps: Annotated[int, Field(ge=1)] = 256
     max_prefill_steps_before_decode: Annotated[int, Field(ge=1)] = 1
+    # Order within a priority class (docs/scheduler.md, "Tenants and deadlines"): fair sharing
+    # between tenants by weight (a tenant not listed weighs default_tenant_weight), and
+    # earliest-deadline-first, where a request without a deadline is ordered as if it had one
+    # deadline_slack_s after its arrival (it never expires for it).
+    fairness: Fairness = Fairness.OFF
+    tenant_weights: dict[TenantName, TenantWeight] = Field(default_factory=dict)
+    default_tenant_weight: TenantWeight = 1.0
+    # A tenant that becomes backlogged starts up to this many tokens (at weight 1; more at a
+    # larger weight) below the backlogged tenants' least counter — at least its first
+    # request's cost: what it was under its share may be served at once (0: one request).
+    fair_burst_tokens: Annotated[int, Field(ge=0)] = 2048
+    deadline_order: bool = False
+    deadline_slack_s: Annotated[float, Field(gt=0.0)] = 600.0
     # auto restore-mode cost model: seconds to move one block to host and back, and seconds of
     # compute per token per loop pass when recomputing. Executors report measured figures.
     snapshot_block_cost_s: Annotated[float, Field(gt=0.0)] = 2e-5

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvgate.admission_service.scheduler import admission, batch
-from kvgate.admission_service.scheduler.invariants import ALL_INVARIANTS, Invariant
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.policy import EvictionReason
-from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
-from kvgate.admission_service.scheduler.request import Request
-from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.scheduler import admission, batch
+from kvgate.scheduler.invariants import ALL_INVARIANTS, Invariant
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.policy import EvictionReason
+from kvgate.scheduler.preemption import evict_all, find_victims
+from kvgate.scheduler.request import Request
+from kvgate.scheduler.state import SchedulerState
 
 
 class Strategy(Protocol):

@@ -13,56 +13,41 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
-from kvgate.admission_service.scheduler import invariants
-from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
-from kvgate.admission_service.scheduler.errors import (
+from kvgate.protocol.capacity import blocks_for, length_problem, positions_needed
+from kvgate.protocol.enums import FinishReason, RestoreMode
+from kvgate.protocol.step import SnapshotAdopt, SnapshotExport, StepPlan, StepResult
+from kvgate.protocol.stopping import StopRule
+from kvgate.protocol.tenants import DEFAULT_TENANT
+from kvgate.scheduler import invariants
+from kvgate.scheduler.config import CacheConfig, Fairness, ModelShape, SchedulerConfig
+from kvgate.scheduler.errors import (
     PlanRejected,
     RequestRejected,
     SchedulerStalled,
 )
-from kvgate.admission_service.scheduler.events import (
+from kvgate.scheduler.events import (
     FinishedEvent,
+    PromptLogprobsEvent,
     RequestEvent,
     RequestStats,
     StepReport,
     TokenEvent,
 )
-from kvgate.admission_service.scheduler.feasibility import check_feasible
-from kvgate.admission_service.scheduler.kv import BlockPool, page_hashes
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.policy import admission_key, priority_class
-from kvgate.admission_service.scheduler.request import Request, RequestSpec, RequestStatus
-from kvgate.admission_service.scheduler.state import SchedulerState
-from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
-from kvgate.protocol.capacity import positions_needed
-from kvgate.protocol.enums import FinishReason, RestoreMode
-from kvgate.protocol.step import SnapshotAdopt, SnapshotExport, StepPlan, StepResult
-
-
-@dataclass(frozen=True, slots=True)
-class RequestProgress:
-    """A request lifted out of one scheduler to resume on another: by recompute, or — when
-    ``snapshot_pages`` is set — from its KV exported under a ticket (a migration)."""
-
-    spec: RequestSpec
-    output_token_ids: tuple[int, ...]
-    exit_depths: tuple[int, ...]
-    arrival_seq: int
-    bypasses: int
-    preemptions: int
-    kv_tokens: int = 0  # positions whose K/V it had: what a recompute restart rebuilds
-    snapshot_pages: int = 0  # pages per plane of its exported snapshot (0: none exported)
-
-
-@dataclass(frozen=True, slots=True)
-class ImportedSnapshot:
-    """A migrated request's KV staged on this scheduler's executor under ``ticket``."""
-
-    ticket: str
-    num_pages: int
+from kvgate.scheduler.fairness import FairWaitingQueue, TenantClock
+from kvgate.scheduler.kv import BlockPool, page_hashes
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.policy import Ordering, priority_class
+from kvgate.scheduler.request import (
+    ImportedSnapshot,
+    Request,
+    RequestProgress,
+    RequestSpec,
+    RequestStatus,
+)
+from kvgate.scheduler.state import SchedulerState, WaitingQueue
+from kvgate.scheduler.strategy import KvgateStrategy, Strategy
 
 
 class Scheduler:
@@ -82,7 +67,16 @@ class Scheduler:
         pool = BlockPool(
             cache.num_blocks, cache.block_size, model.num_loops, cache.enable_prefix_caching
         )
-        self.state = SchedulerState(config=config, cache=cache, model=model, pool=pool)
+        self.ordering = Ordering.of(config)
+        waiting = WaitingQueue()
+        if config.fairness is not Fairness.OFF:
+            clock = TenantClock(
+                config.tenant_weights, config.default_tenant_weight, config.fair_burst_tokens
+            )
+            waiting = FairWaitingQueue(self.ordering, clock)
+        self.state = SchedulerState(
+            config=config, cache=cache, model=model, pool=pool, waiting=waiting
+        )
         self.strategy: Strategy = strategy or KvgateStrategy()
         self.last_report = StepReport(step_id=0)
         self._events: list[RequestEvent] = []
@@ -101,12 +95,17 @@ class Scheduler:
         arrival_seq: int | None = None,
         progress: RequestProgress | None = None,
         snapshot: ImportedSnapshot | None = None,
+        now: float | None = None,
     ) -> Request:
         """Queue a request, or raise ``RequestRejected`` if it can never run here.
 
         With ``snapshot`` (a migration; ``progress`` required) it waits as a request preempted
         with a host snapshot: the next plan adopts the staged KV, and admission restores it by
-        swap-in like any other snapshot — or it is rejected when the host budget has no room."""
+        swap-in like any other snapshot — or it is rejected when the host budget has no room.
+
+        ``now`` (default: the time the last step was planned at) is its arrival time, which
+        orders it under deadline order when it has no deadline of its own; a request that
+        moved keeps the ordering deadline it had (``progress.order_deadline_s``)."""
         state = self.state
         if spec.request_id in state.requests:
             raise RequestRejected(spec.request_id, "a request with this id is already in flight")
@@ -130,18 +129,23 @@ class Scheduler:
         request = Request(
             spec=spec,
             request_id=spec.request_id,
-            key=admission_key(state.config.policy, spec.priority, seq),
+            key=(),
             priority_class=priority_class(state.config.policy, spec.priority),
             arrival_seq=seq,
             num_loops=num_loops,
             min_loops=min(loops.min_loops, num_loops),
             max_loops=min(loops.max_loops or num_loops, num_loops),
             capacity_tokens=positions_needed(len(spec.prompt_token_ids), spec.sampling.max_tokens),
-            max_tokens=spec.sampling.max_tokens,
+            stop=StopRule.of(spec.sampling, state.model.eos_token_id),
             prompt_len=len(spec.prompt_token_ids),
             arrival_step=state.step,
+            tenant=spec.tenant or DEFAULT_TENANT,
+            order_deadline_s=_order_deadline(state, spec, progress, now),
         )
-        if state.cache.enable_prefix_caching:
+        request.key = self.ordering.key(request)
+        if state.cache.enable_prefix_caching and spec.sampling.prompt_logprobs is None:
+            # A request scoring its prompt computes every prompt position: it neither takes
+            # pages from the cache (their positions would have no logits) nor offers any.
             request.page_digests = page_hashes(spec.prompt_token_ids, state.cache.block_size)
         if progress is not None:
             request.output_token_ids = list(progress.output_token_ids)
@@ -246,6 +250,7 @@ class Scheduler:
                     preemptions=request.num_preemptions,
                     kv_tokens=request.kv_frontier if request.on_executor else 0,
                     snapshot_pages=pages if exported else 0,
+                    order_deadline_s=request.order_deadline_s,
                 )
             )
             if request.status is RequestStatus.RUNNING:
@@ -265,7 +270,41 @@ class Scheduler:
             state.pending_exports.clear()
         return lifted
 
+    def withdraw(self, request_id: str) -> RequestProgress | None:
+        """Lift out a request that waits here without having started (never admitted here, no
+        state on the executor), to be queued on another scheduler with ``add_request(progress=
+        ...)``: it keeps its arrival number, bypass count and ordering deadline, so it keeps its
+        place and its bypass protection. ``None`` when it is not such a request."""
+        state = self.state
+        request = state.requests.get(request_id)
+        if (
+            request is None
+            or request.status is not RequestStatus.WAITING
+            or request.keyed
+            or request.on_executor
+            or request.restore_mode is not None
+        ):
+            return None
+        state.waiting.discard(request)
+        del state.requests[request_id]
+        request.status = RequestStatus.FINISHED
+        return RequestProgress(
+            spec=request.spec,
+            output_token_ids=tuple(request.output_token_ids),
+            exit_depths=tuple(request.exit_depths),
+            arrival_seq=request.arrival_seq,
+            bypasses=request.bypasses,
+            preemptions=request.num_preemptions,
+            kv_tokens=request.kv_tokens_lost,
+            order_deadline_s=request.order_deadline_s,
+        )
+
     # --- views -------------------------------------------------------------------------------
+    def cached_prefix_pages(self, digests: Sequence[bytes]) -> int:
+        """Leading pages of a prompt (``kv.page_hashes`` at this cache's block size) that the
+        prefix cache holds now: placement's probe, which changes nothing."""
+        return self.state.pool.cached_prefix_pages(digests)
+
     def host_room_for(self, num_pages: int) -> bool:
         """Whether a snapshot of ``num_pages`` pages per plane fits the host budget now."""
         state = self.state
@@ -313,6 +352,7 @@ class Scheduler:
                 f"{len(state.waiting)} waiting and {len(state.running)} running",
                 invariants.dump(state),
             )
+        state.now = now
         self.expire(now)
         state.step += 1
         builder = PlanBuilder(state.step, state.num_planes)
@@ -374,7 +414,14 @@ class Scheduler:
         finished_before = self._finished_count
         self._apply_prefill(plan)
         self._apply_decode(result, plan.step_id)
+        for scores in result.prompt_logprobs:
+            if scores.request_id in state.requests:
+                self._events.append(PromptLogprobsEvent(scores.request_id, scores))
         self._apply_tokens(result)
+        requests = state.requests
+        state.waiting.refresh(
+            requests[t.request_id] for t in result.tokens if t.request_id in requests
+        )
         self._check_skipped(result)
         # Progress means K/V beyond a request's high-water mark, a new token, or a finish: work
         # redone after a recompute preemption does not count, so a preempt/restore cycle cannot
@@ -442,7 +489,6 @@ class Scheduler:
 
     def _apply_tokens(self, result: StepResult) -> None:
         requests = self.state.requests
-        eos = self.state.model.eos_token_id
         events = self._events
         if result.tokens:
             self._progressed = True  # a token always lies past its request's high-water mark
@@ -470,10 +516,9 @@ class Scheduler:
                 )
             )
             request.progress_mark = position
-            if eos is not None and token_id == eos and not request.spec.sampling.ignore_eos:
-                self._finish(request, FinishReason.STOP)
-            elif index + 1 >= request.max_tokens:
-                self._finish(request, FinishReason.LENGTH)
+            reason = request.stop.finish_reason(index + 1, token_id)
+            if reason is not None:
+                self._finish(request, reason)
 
     def _check_skipped(self, result: StepResult) -> None:
         for request_id in result.skipped_request_ids:
@@ -495,6 +540,7 @@ class Scheduler:
             state.pending_adopts = [a for a in adopts if a.request_id != request.request_id]
         elif request.on_executor:
             state.pending_free.append(request.request_id)
+        state.waiting.settle(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del state.requests[request.request_id]
@@ -516,4 +562,77 @@ class Scheduler:
                     finished_step=state.step,
                 ),
             )
+        )
+
+
+def _order_deadline(
+    state: SchedulerState,
+    spec: RequestSpec,
+    progress: RequestProgress | None,
+    now: float | None,
+) -> float:
+    """Its deadline for deadline order: kept from where it came from, else its own, else its
+    arrival plus ``deadline_slack_s`` (so no request waits behind ever-earlier deadlines for
+    good: once that time has passed, every request still in time is ordered behind it)."""
+    if progress is not None and progress.order_deadline_s is not None:
+        return progress.order_deadline_s
+    if spec.deadline_s is not None:
+        return spec.deadline_s
+    arrival_s = state.now if now is None else now
+    return arrival_s + state.config.deadline_slack_s
+
+
+# --- feasibility ----------------------------------------------------------------------------
+# Invariant 5, feasibility: a request that cannot fit an empty cache is rejected on arrival with
+# a reason, never queued forever. So are requests the model cannot serve (too long, bad loop
+# bounds, an exit trace that does not cover the outputs).
+
+
+def check_feasible(state: SchedulerState, spec: RequestSpec) -> None:
+    """Raise ``RequestRejected`` for a request that could never run, even on an empty cache."""
+    rid = spec.request_id
+    if not spec.prompt_token_ids:
+        raise RequestRejected(rid, "the prompt is empty")
+    prompt_len, max_tokens = len(spec.prompt_token_ids), spec.sampling.max_tokens
+    problem = length_problem(prompt_len, max_tokens, state.model.max_model_len)
+    if problem is not None:
+        raise RequestRejected(rid, problem)
+    capacity = positions_needed(prompt_len, max_tokens)
+    blocks = blocks_for(
+        prompt_len, max_tokens, block_size=state.cache.block_size, num_planes=state.num_planes
+    )
+    if blocks > state.cache.num_blocks:
+        raise RequestRejected(
+            rid,
+            f"needs {blocks} KV blocks ({capacity} tokens × {state.num_planes} planes at "
+            f"block size {state.cache.block_size}) but the whole cache has "
+            f"{state.cache.num_blocks}",
+        )
+    loops = spec.loops
+    if loops.min_loops > state.num_planes:
+        raise RequestRejected(
+            rid, f"min_loops ({loops.min_loops}) exceeds the model's {state.num_planes} loops"
+        )
+    if loops.exit_trace is not None:
+        _check_trace(state, spec)
+
+
+def _check_trace(state: SchedulerState, spec: RequestSpec) -> None:
+    trace = spec.loops.exit_trace or []
+    r = state.num_planes
+    top = min(spec.loops.max_loops or r, r)
+    if len(trace) < spec.sampling.max_tokens:
+        raise RequestRejected(
+            spec.request_id,
+            f"exit_trace has {len(trace)} depths for max_tokens {spec.sampling.max_tokens}",
+        )
+    if trace[0] != r:
+        raise RequestRejected(
+            spec.request_id, f"exit_trace[0] must be the full depth {r} (the prompt's pass)"
+        )
+    bad = [d for d in trace[1:] if not spec.loops.min_loops <= d <= top]
+    if bad:
+        raise RequestRejected(
+            spec.request_id,
+            f"exit_trace depths {bad[:4]} outside [{spec.loops.min_loops}, {top}]",
         )

@@ -7,7 +7,7 @@ for each waiting request, in admission order, at most admission_scan_limit:
            [+ the rest of its fill and the fill owed to running requests: fill pricing]
            + watermark headroom when other work is active
            + the growth reserve: what running requests ahead of it may grow into within
-             growth_reserve_steps steps (reserve.py)
+             growth_reserve_steps steps (the growth reserve, below)
     if it fits, or strictly-less-important running work can free enough (checked first):
         evict that work, start it
         every request deferred earlier in this scan: bypasses += 1
@@ -19,8 +19,9 @@ deferred requests keep their place at the front of the waiting order
 
 With ``admission_pricing: fill`` (the default) the need also covers the rest of the request's fill
 and the fill still owed to running requests, while blocks are still claimed chunk by chunk: this
-keeps admission from stranding prompts half-way, and on the livelock suite it halved preemptions
-against ``first_chunk`` pricing at the same step count (docs/benchmarks.md). Decode growth beyond
+keeps admission from stranding prompts half-way. On the livelock suite it made 233 preemptions
+against ``first_chunk``'s 507 at the same step count before the growth reserve, and 84 against
+135 with it (docs/scheduler.md, docs/benchmarks.md). Decode growth beyond
 the growth reserve's horizon is left to preemption, as in vLLM.
 
 A request cannot start in the step it was evicted in, nor while results of its last rows are in
@@ -31,18 +32,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.admission_service.scheduler.config import AdmissionPricing
-from kvgate.admission_service.scheduler.events import AdmissionKind
-from kvgate.admission_service.scheduler.fill import Fill
-from kvgate.admission_service.scheduler.kv import Page
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.policy import EvictionReason, past_last_victim
-from kvgate.admission_service.scheduler.preemption import evict_all, find_victims
-from kvgate.admission_service.scheduler.request import Request, RequestStatus
-from kvgate.admission_service.scheduler.reserve import GrowthReserve
-from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.protocol.enums import RestoreMode
 from kvgate.protocol.step import NewRequest
+from kvgate.scheduler.config import AdmissionPricing, Fairness
+from kvgate.scheduler.events import AdmissionKind
+from kvgate.scheduler.kv import Page
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.policy import EvictionReason, past_last_victim
+from kvgate.scheduler.preemption import evict_all, find_victims
+from kvgate.scheduler.request import AdmissionKey, Fill, Request, RequestStatus
+from kvgate.scheduler.state import SchedulerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +117,9 @@ def start(state: SchedulerState, request: Request, plan: StartPlan, builder: Pla
         request.published_pages = len(plan.prefix)
         request.depth_done = 0
         request.on_executor = True
+        if request.page_digests:  # the prefix cache was asked for its prompt
+            builder.report.prefix_queried_tokens += plan.fill_tokens
+            builder.report.prefix_hit_tokens += plan.cached_tokens
         if request.kv_tokens_lost:
             # A recompute restore here, or a request that lost its K/V with the executor it
             # left (a fresh start elsewhere from its progress).
@@ -130,6 +132,7 @@ def start(state: SchedulerState, request: Request, plan: StartPlan, builder: Pla
         request.restore_mode = None
     request.started_step = state.step
     request.evicted_by = None
+    state.waiting.started(request)
     if request.first_admitted_step is None:
         request.first_admitted_step = state.step
     state.mark_running(request)
@@ -204,7 +207,9 @@ def _may_evict_for(state: SchedulerState, request: Request) -> bool:
     important one runs last)."""
     if not state.preemption_enabled or not state.running:
         return False
-    return not past_last_victim(request, state.running.last(), EvictionReason.ADMISSION)
+    fair = state.config.fairness is not Fairness.OFF
+    last = state.running.last()
+    return not past_last_victim(request, last, EvictionReason.ADMISSION, fair=fair)
 
 
 def _evictor_reserve(state: SchedulerState, request: Request) -> int:
@@ -221,7 +226,93 @@ def _no_slot_for_anyone_behind(
     state: SchedulerState, request: Request, builder: PlanBuilder
 ) -> bool:
     """With every slot taken and nothing evictable for ``request``, no request behind it (none
-    is more important) can get a slot either."""
+    is more important) can get a slot either. Not so under fairness: a request behind it, of
+    another tenant, may displace work ``request``'s tenant may not (``policy.may_evict``)."""
     if len(state.running) < state.config.max_num_seqs:
         return False
+    if state.config.fairness is not Fairness.OFF:
+        return False
     return find_victims(state, request, 0, True, EvictionReason.ADMISSION, builder) is None
+
+
+# --- the growth reserve ------------------------------------------------------------------------
+# The growth reserve: room admission keeps for the growth of running work ahead of a candidate.
+#
+# A request started into blocks that running requests ahead of it (in admission order) are about to
+# grow into is evicted by that growth a few steps later: its start was wasted and a preemption paid
+# for it. On the livelock suite this was most of kvgate's preemptions under both pricings
+# (docs/scheduler.md). So admission prices a start with, on top of its own need, what those requests
+# may claim within ``growth_reserve_steps`` steps:
+#
+#     reserve(c) = planes × Σ over running r with key(r) < key(c) of
+#                  max(0, pages(min(capacity(r), frontier(r) + k)) − held(r) − owed(r))
+#
+# where ``frontier`` is the end of ``r``'s fill while it fills (its whole fill counts: under
+# ``first_chunk`` pricing nothing else keeps room for it) and its decode cursor + 1 afterwards; a
+# step decodes at most one token of a request, so ``k`` steps grow it by at most ``k`` tokens.
+#
+# Only work ahead of the candidate counts, never work it outranks. That work drains without the
+# candidate (the running leader can always make room, and each request ahead leads in turn), and
+# its reserve shrinks as it gets its pages and finishes, so the reserve delays a start but cannot
+# block it for good.
+#
+# The admission scan prices candidates in increasing key order (it pops the waiting heap), and
+# within one scan the requests already summed do not change: a start joins at the key of a
+# candidate already priced, so above every request summed, and admission evicts only work behind
+# its requester. So the sum is kept between candidates and each running request is looked at
+# once per scan. When a candidate only needs to know whether the reserve reaches some amount
+# (nothing could be evicted for it, so it either fits or waits), the walk stops there. And under
+# ``fill`` pricing a running request's term is at most ``pages(k + 1)`` (it holds the pages of every
+# position with K/V, and is owed the rest of its fill), so when even that bound fits there is
+# nothing to walk: with a roomy cache the reserve costs a bisection.
+
+
+def runner_growth_pages(state: SchedulerState, runner: Request, horizon: int) -> int:
+    """Pages ``runner`` may still claim within ``horizon`` steps beyond what it holds or is owed."""
+    pool = state.pool
+    frontier = runner.fill.length if runner.fill is not None else runner.cursor_position + 1
+    target = pool.pages_for(min(runner.capacity_tokens, frontier + horizon))
+    return max(0, target - pool.num_pages(runner.request_id) - runner.owed_pages)
+
+
+class GrowthReserve:
+    """The reserve for each candidate of one admission scan, walking the running set once."""
+
+    __slots__ = ("_asked", "_horizon", "_last", "_pages", "_state")
+
+    def __init__(self, state: SchedulerState) -> None:
+        self._state = state
+        self._horizon = state.config.growth_reserve_steps if state.preemption_enabled else 0
+        self._asked: AdmissionKey | None = None  # the last candidate's key
+        # Key of the last running request summed: every one up to it is in ``_pages``.
+        self._last: AdmissionKey | None = None
+        self._pages = 0
+
+    def upper_bound(self, request: Request) -> int | None:
+        """At least ``blocks_for(request)``, in ``O(log n)``; ``None`` when no cheap bound is
+        known (``first_chunk`` pricing: a running request's unclaimed fill is not bounded by
+        the horizon)."""
+        state = self._state
+        if self._horizon == 0:
+            return 0
+        if state.config.admission_pricing is not AdmissionPricing.FILL:
+            return None
+        per_runner = state.pool.pages_for(self._horizon + 1) * state.num_planes
+        return state.running.count_below(request.key) * per_runner
+
+    def blocks_for(self, request: Request, enough: int | None = None) -> int:
+        """Blocks the running requests ahead of ``request`` may grow into within the horizon;
+        with ``enough``, any value of at least ``enough`` once the sum gets there."""
+        if self._horizon == 0:
+            return 0
+        key = request.key
+        if self._asked is not None and key < self._asked:
+            self._last, self._pages = None, 0  # out of order (not the scan's way): start over
+        self._asked = key
+        planes = self._state.num_planes
+        for runner in self._state.running.between(self._last, key):
+            if enough is not None and self._pages * planes >= enough:
+                break
+            self._pages += runner_growth_pages(self._state, runner, self._horizon)
+            self._last = runner.key
+        return self._pages * planes

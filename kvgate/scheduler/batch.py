@@ -18,10 +18,10 @@ from __future__ import annotations
 from enum import Enum
 from typing import Protocol
 
-from kvgate.admission_service.scheduler.config import Mode
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.request import Request, RequestStatus
-from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.scheduler.config import Mode
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.request import Request, RequestStatus
+from kvgate.scheduler.state import SchedulerState
 
 
 class RoomMaker(Protocol):
@@ -180,10 +180,11 @@ def next_decode_pass(
 ) -> tuple[int | None, int | None, int] | None:
     """(position, depth, K/V frontier in tokens) of the request's next pass; position and depth
     are ``None`` when an in-flight outcome decides them. ``None``: no pass is useful now."""
-    max_tokens = request.max_tokens
+    stop = request.stop
     if request.fill is not None:
         # Only reached while the fill's last row is in flight: decode starts right after it.
-        if not request.output_token_ids and max_tokens == 1:
+        # A fresh fill's last row samples the first output (a recompute's samples nothing).
+        if not request.output_token_ids and stop.length_reached(1):
             return None
         position = request.fill.length
         return position, 1, position + 1
@@ -191,8 +192,9 @@ def next_decode_pass(
     depth = request.depth_done + 1
     if not (state.unresolved(request) and request.inflight_decode):
         return position, depth, position + 1
-    # The pass (position, depth) is in flight: what follows depends on whether it exits.
-    finishes_on_exit = len(request.output_token_ids) + 1 >= max_tokens
+    # The pass (position, depth) is in flight: what follows depends on whether it exits, and
+    # whether the token it may produce is the last (only its count is known before it exists).
+    finishes_on_exit = stop.length_reached(len(request.output_token_ids) + 1)
     exits = _certain_exit(request, depth)
     if exits is True:
         return None if finishes_on_exit else (position + 1, 1, position + 2)

@@ -7,14 +7,15 @@ nothing is evicted — so a preemption always lets its requester proceed in the 
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.config import PreemptionMode
-from kvgate.admission_service.scheduler.events import Preemption
-from kvgate.admission_service.scheduler.kv import Page
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.policy import EvictionReason, may_evict, past_last_victim
-from kvgate.admission_service.scheduler.request import Request, RequestStatus
-from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.protocol.enums import RestoreMode
+from kvgate.scheduler.config import PreemptionMode
+from kvgate.scheduler.events import Preemption
+from kvgate.scheduler.fairness import FairWaitingQueue
+from kvgate.scheduler.kv import Page
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.policy import EvictionReason, may_evict, past_last_victim
+from kvgate.scheduler.request import Request, RequestStatus
+from kvgate.scheduler.state import SchedulerState
 
 
 def find_victims(
@@ -34,12 +35,15 @@ def find_victims(
     victims: list[Request] = []
     freed = 0
     leader = next(iter(state.running), None)
+    waiting = state.waiting
+    fair = isinstance(waiting, FairWaitingQueue) and reason is EvictionReason.ADMISSION
+    reach = waiting.reach(requester) if isinstance(waiting, FairWaitingQueue) and fair else None
     for victim in reversed(state.running):
         short_of_blocks = freed < blocks_short
         short_of_slot = need_slot and not victims
         if not (short_of_blocks or short_of_slot):
             break
-        if past_last_victim(requester, victim, reason):
+        if past_last_victim(requester, victim, reason, fair=fair):
             break
         if victim.request_id in builder.selected or victim.request_id in builder.started:
             continue
@@ -50,6 +54,12 @@ def find_victims(
             step=state.step,
             min_residency_steps=state.config.min_residency_steps,
             requester_leads=requester is leader,
+            reach=reach,
+            standing=(
+                waiting.standing(victim)
+                if isinstance(waiting, FairWaitingQueue) and reach is not None
+                else None
+            ),
         ):
             continue
         reclaimable = state.pool.reclaimable_blocks(victim.request_id, keep)

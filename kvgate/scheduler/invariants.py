@@ -1,4 +1,4 @@
-"""The six scheduler invariants as code; tests call ``Scheduler.check_invariants()`` every step.
+"""The scheduler invariants as code; tests call ``Scheduler.check_invariants()`` every step.
 
 1. Conservation: free + used = total; each block's references match its holders; snapshots fit
    the host budget and are accounted to exactly the requests that hold them.
@@ -9,6 +9,12 @@
    requester of a strictly more important class.
 5. Feasibility: every queued request fits an empty cache.
 6. Progress: the no-progress counter is below ``stall_steps`` (``schedule`` raises at the bound).
+7. Fair order (under ``fairness``): the waiting heap is the fair order of the moment — every
+   lane's head is its first request and has exactly one live heap entry, stamped with its
+   tenant's current share; no other request not yet admitted is in the heap; every backlogged
+   tenant's counter is at least its class's floor less the credit of its lift (the lift);
+   every output token served to a running request is charged to its tenant. Without fairness
+   there is nothing to check.
 
 ``violations`` reports them by name, so a run of another rule (benchmarks/baselines.py) can be
 judged by the invariants that rule promises and have kvgate's others reported beside it.
@@ -18,10 +24,11 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from kvgate.admission_service.scheduler.errors import InvariantViolation
-from kvgate.admission_service.scheduler.events import StepReport
-from kvgate.admission_service.scheduler.request import RequestStatus
-from kvgate.admission_service.scheduler.state import SchedulerState
+from kvgate.scheduler.errors import InvariantViolation
+from kvgate.scheduler.events import StepReport
+from kvgate.scheduler.fairness import FairWaitingQueue
+from kvgate.scheduler.request import RequestStatus
+from kvgate.scheduler.state import SchedulerState
 
 
 class Invariant(StrEnum):
@@ -31,6 +38,7 @@ class Invariant(StrEnum):
     RESIDENCY = "residency"
     FEASIBILITY = "feasibility"
     PROGRESS = "progress"
+    FAIR_ORDER = "fair_order"
 
 
 ALL_INVARIANTS = frozenset(Invariant)
@@ -45,6 +53,7 @@ def violations(state: SchedulerState, report: StepReport) -> dict[Invariant, lis
         Invariant.RESIDENCY: _residency(state, report),
         Invariant.FEASIBILITY: _feasibility(state),
         Invariant.PROGRESS: _progress(state),
+        Invariant.FAIR_ORDER: _fair_order(state),
     }
     return {invariant: problems for invariant, problems in found.items() if problems}
 
@@ -123,6 +132,47 @@ def _residency(state: SchedulerState, report: StepReport) -> list[str]:
         and report.step_id - p.victim_restored_step < window
         and not p.requester_priority_class < p.victim_priority_class
     ]
+
+
+def _fair_order(state: SchedulerState) -> list[str]:
+    waiting = state.waiting
+    if not isinstance(waiting, FairWaitingQueue):
+        return []
+    ordering, clock = waiting.ordering, waiting.clock
+    problems: list[str] = []
+    entries: dict[str, list[tuple[float, ...]]] = {}
+    for key, request in waiting.live_entries():
+        entries.setdefault(request.request_id, []).append(key)
+    lanes, heads = waiting.lanes(), waiting.heads()
+    if set(lanes) != set(heads):
+        problems.append(f"lanes {sorted(lanes)} but heads {sorted(heads)}")
+    for lane, members in lanes.items():
+        head = heads.get(lane)
+        if head is not members[0]:
+            problems.append(f"lane {lane}: head {head and head.request_id} is not its first")
+            continue
+        expected = ordering.key(head, clock.share(lane))
+        if entries.get(head.request_id) != [expected]:
+            problems.append(
+                f"lane {lane}: head {head.request_id} has heap entries "
+                f"{entries.get(head.request_id)}, expected [{expected}] at share "
+                f"{clock.share(lane)}"
+            )
+        for request in members[1:]:
+            if request.request_id in entries:
+                problems.append(f"{request.request_id} is in the heap behind its lane's head")
+        if clock.share(lane) < clock.floor(lane[0]) - clock.credit(lane) - 1e-9:
+            problems.append(
+                f"tenant {lane[1]} backlogged in class {lane[0]} at {clock.share(lane)}, below "
+                f"the floor {clock.floor(lane[0])} less its credit {clock.credit(lane)}"
+            )
+    for request in state.running:
+        if request.charged_outputs != len(request.output_token_ids):
+            problems.append(
+                f"{request.request_id} was served {len(request.output_token_ids)} outputs, "
+                f"{request.charged_outputs} charged"
+            )
+    return problems
 
 
 def _feasibility(state: SchedulerState) -> list[str]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.events import StepReport
-from kvgate.admission_service.scheduler.kv import Page
 from kvgate.protocol.step import (
     BlockAppend,
     DecodeRows,
@@ -14,6 +12,8 @@ from kvgate.protocol.step import (
     StepPlan,
     SwapIn,
 )
+from kvgate.scheduler.events import StepReport
+from kvgate.scheduler.kv import Page
 
 
 def _by_plane(pages: list[Page], num_planes: int) -> list[list[int]]:

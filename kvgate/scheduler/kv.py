@@ -62,10 +62,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    @property
-    def num_cached_pages(self) -> int:
-        return len(self._cache)
-
     def pages_for(self, num_tokens: int) -> int:
         return capacity.pages_for(num_tokens, self.block_size)
 
@@ -92,6 +88,21 @@ class BlockPool:
                 self._evictable.move_to_end(digest)
             found.append(page)
         return found
+
+    def cached_prefix_pages(self, digests: Sequence[bytes]) -> int:
+        """How many leading pages of ``digests`` the cache holds (a probe: no LRU change)."""
+        if not self.enable_prefix_caching:
+            return 0
+        count = 0
+        for digest in digests:
+            if digest not in self._cache:
+                break
+            count += 1
+        return count
+
+    def cached_digests(self) -> frozenset[bytes]:
+        """Every digest the cache holds (what a router fed by KV-cache events would know)."""
+        return frozenset(self._cache)
 
     def claim_cost(self, num_new_pages: int, prefix: Sequence[Page]) -> int:
         """How much ``num_free_blocks`` drops if a table takes ``prefix`` and new pages."""

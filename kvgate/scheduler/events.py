@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
-from kvgate.admission_service.scheduler.policy import EvictionReason
 from kvgate.protocol.enums import FinishReason, RestoreMode
-from kvgate.protocol.step import TokenLogprob
+from kvgate.protocol.step import PromptLogprobs, TokenLogprob
+from kvgate.scheduler.policy import EvictionReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,15 @@ class TokenEvent(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobsEvent:
+    """Log-probabilities of some prompt tokens, from a fill row of a request that asked for them
+    (a recompute of the fill may report a position again, with the same values)."""
+
+    request_id: str
+    logprobs: PromptLogprobs
+
+
+@dataclass(frozen=True, slots=True)
 class FinishedEvent:
     request_id: str
     reason: FinishReason
@@ -45,7 +54,7 @@ class FinishedEvent:
     stats: RequestStats
 
 
-RequestEvent = TokenEvent | FinishedEvent
+RequestEvent = TokenEvent | PromptLogprobsEvent | FinishedEvent
 
 
 class AdmissionKind(StrEnum):
@@ -80,6 +89,9 @@ class StepReport:
     bypass_limit: int = 0
     max_bypasses: int = 0
     prefill_tokens: int = 0
+    # Prefix cache at the starts of this step: prompt tokens looked up, and found cached.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
     decode_rows: int = 0
     rows: int = 0
     depths: dict[int, int] = field(default_factory=dict)  # depth -> rows (known depths only)
