@@ -1,5 +1,6 @@
 # kvgate admission service: `kvgate admission-service --config /etc/kvgate/admission.yaml`.
-# kvgate with its base dependencies only: no torch, no demo broker, no plotting, no kopf.
+# kvgate with its base dependencies and the `s3` extra (the gateway's batch files in an object
+# store): no torch, no demo broker, no plotting, no kopf.
 # Build from the repository root:
 #   docker build -f docker/admission.Dockerfile -t kvgate-admission:0.1.0 .
 # BASE_IMAGE: any image with Python >= 3.11, or a Debian/Ubuntu one to which python.sh adds it
@@ -19,7 +20,7 @@ ENV UV_NO_CACHE=1 UV_PYTHON=/opt/kvgate/bin/python UV_PROJECT_ENVIRONMENT=/opt/k
 # Dependencies first, at the versions in uv.lock (a layer that changes only with the lock),
 # then kvgate itself.
 COPY pyproject.toml uv.lock /src/
-RUN /opt/uv/bin/uv sync --project /src --frozen --no-install-project
+RUN /opt/uv/bin/uv sync --project /src --frozen --no-install-project --extra s3
 COPY README.md LICENSE /src/
 COPY kvgate /src/kvgate
 RUN /opt/uv/bin/uv pip install --no-deps /src

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvgate.kernels import blocks
-from kvgate.kernels.checks import check_attention_metadata
+from kvgate.kernels.checks import check_attention_metadata, check_attention_options
 from kvgate.kernels.dispatch import Backend, select_backend
 from kvgate.kernels.torch_attention import (
     AttentionPlan,
@@ -59,21 +59,36 @@ def paged_attention(
     softmax_scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim], query's dtype
     plan: AttentionPlan | None = None,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim], dtype of query
     """Causal attention of every row's queries over the row's paged context.
 
     Row ``r``'s queries ``query[query_start_loc[r]:query_start_loc[r+1]]`` (``q_len`` tokens) are
-    the last ``q_len`` positions of its context; query ``i`` attends to positions
-    ``0 ..= seq_len - q_len + i`` (bottom-right aligned). Position ``p`` lives at
-    ``key_cache[block_tables[r, p // block_size], p % block_size]``. Decode rows
-    (``q_len == 1``), prefill chunks with or without prior context and padding rows
+    the last ``q_len`` positions of its context; query ``i``, at position
+    ``p = seq_len - q_len + i``, attends to positions ``0 ..= p`` (bottom-right aligned).
+    Position ``p`` lives at ``key_cache[block_tables[r, p // block_size], p % block_size]``.
+    Decode rows (``q_len == 1``), prefill chunks with or without prior context and padding rows
     (``seq_len == 0``: zeros) mix freely in one call. Query head ``h`` reads KV head
     ``h // (num_q_heads // num_kv_heads)``. Accumulation is float32 for every input dtype.
 
+    ``sliding_window = W`` (an int >= 1; None: full causal): the query at ``p`` attends only to
+    positions ``k`` with ``p - W < k <= p``, the last ``W`` positions including itself (fewer
+    while ``p < W - 1``). This is transformers' convention (``masking_utils``:
+    ``kv_idx > q_idx - sliding_window``, which Mistral, Gemma 2 and Gemma 3 use with their
+    config's ``sliding_window``; flash-attn's ``window_size = (W - 1, 0)``). Blocks that lie
+    wholly before the window of a row's first query are never read: their block-table entries
+    may name freed blocks.
+
+    ``logit_softcap = c`` (finite, > 0; None: no cap): every score
+    ``s = (q . k) * softmax_scale`` becomes ``c * tanh(s / c)`` before the mask and the softmax
+    (Gemma 2's ``attn_logit_softcapping``).
+
     On CUDA the metadata values are not read (that would stall every layer): run
     :func:`check_attention_metadata` once per step where the input is not trusted. ``plan`` is
-    what :func:`plan_attention` returned for these same metadata tensors: the CPU path then skips
-    reading and checking them again on every layer.
+    what :func:`plan_attention` returned for these same metadata tensors and this same
+    ``sliding_window``: the CPU path then skips reading and checking them again on every layer.
     """
     if select_backend(query.device) is Backend.TORCH:
         return paged_attention_torch(
@@ -86,12 +101,23 @@ def paged_attention(
             softmax_scale,
             out,
             plan,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )
     # Deferred: Triton reads TRITON_INTERPRET when the kernels are defined (see dispatch).
     from kvgate.kernels.triton_attention import paged_attention_triton  # noqa: PLC0415
 
     return paged_attention_triton(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, softmax_scale, out
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        softmax_scale,
+        out,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )
 
 
@@ -105,6 +131,7 @@ def plan_attention(
     block_size: int,
     compiled: bool = False,
     per_token: bool = False,
+    sliding_window: int | None = None,
 ) -> AttentionPlan | None:
     """Prepare one step's metadata for every layer's :func:`paged_attention` call.
 
@@ -115,8 +142,11 @@ def plan_attention(
     ``compiled`` (CPU): decode rows on the compiled kernel of :mod:`kvgate.kernels.cpu` (loaded
     by the caller; the executor does where its model runs the compiled layer operations).
     ``per_token`` (compiled only): prefill tokens summed as decode rows are, for the executor's
-    batch-invariant mode.
+    batch-invariant mode. ``sliding_window``: the window of the calls that will use the plan
+    (what a query reads depends on it); layers with different windows need one plan each, and a
+    call whose window differs from its plan's is refused.
     """
+    check_attention_options(sliding_window, None)
     if select_backend(block_tables.device) is not Backend.TORCH:
         if per_token:
             raise ValueError("per-token attention runs on the CPU's compiled kernel only")
@@ -130,6 +160,7 @@ def plan_attention(
         block_size=block_size,
         compiled=compiled,
         per_token=per_token,
+        sliding_window=sliding_window,
     )
 
 

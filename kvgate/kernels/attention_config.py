@@ -43,6 +43,9 @@ class AttentionConstants(TypedDict):
     TILE_N: int
     NUM_SPLITS: int
     DOT_PRECISION: str
+    # Constants of a model (one compiled variant per distinct value; a model has one or two):
+    SLIDING_WINDOW: int | None  # positions a query sees, itself included; None: full causal
+    LOGIT_SOFTCAP: float | None  # scores s become c * tanh(s / c); None: no cap
 
 
 def next_power_of_2(n: int) -> int:
@@ -111,6 +114,8 @@ def attention_constants(
     block_size: int,
     queries_per_kv: int,
     dtype: torch.dtype,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> AttentionConstants:
     return AttentionConstants(
         HEAD_DIM=head_dim,
@@ -124,4 +129,6 @@ def attention_constants(
         NUM_SPLITS=config.num_splits,
         # fp32 inputs must not be rounded to tf32 on tensor cores; 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        SLIDING_WINDOW=sliding_window,
+        LOGIT_SOFTCAP=None if logit_softcap is None else float(logit_softcap),
     )

@@ -143,6 +143,36 @@ def check_attention_shapes(
     _require_same_device(tensors)
 
 
+def check_attention_options(sliding_window: int | None, logit_softcap: float | None) -> None:
+    """The two optional masks of ``paged_attention``: a window of >= 1 positions, a cap > 0.
+
+    Both are model constants (a config's ``sliding_window`` and ``attn_logit_softcapping``),
+    so a wrong type or value is a caller's bug: refused by name rather than coerced.
+    """
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+            raise TypeError(
+                f"sliding_window must be an int (positions) or None, "
+                f"got {type(sliding_window).__name__}"
+            )
+        if sliding_window < 1:
+            raise ValueError(
+                f"sliding_window must be >= 1 (a query always sees itself), got {sliding_window}"
+            )
+    if logit_softcap is not None:
+        if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, int | float):
+            raise TypeError(
+                f"logit_softcap must be a float or None, got {type(logit_softcap).__name__}"
+            )
+        if not (math.isfinite(logit_softcap) and logit_softcap > 0):
+            raise ValueError(f"logit_softcap must be finite and > 0, got {logit_softcap}")
+
+
+def first_visible_position(position: int, sliding_window: int | None) -> int:
+    """The first context position a query at ``position`` sees: ``p - W < k <= p``."""
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+
+
 def check_attention_metadata(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -150,6 +180,8 @@ def check_attention_metadata(
     num_tokens: int,
     num_blocks: int,
     block_size: int,
+    *,
+    sliding_window: int | None = None,
 ) -> None:
     """Check the values of a step's attention metadata (reads the tensors: syncs on CUDA).
 
@@ -159,8 +191,11 @@ def check_attention_metadata(
         seq_len == 0                      -> a padding row: its q_len tokens get zeros
         seq_len > 0                       -> 0 <= q_len <= seq_len (queries are the context's tail)
         seq_len <= max_blocks_per_row * block_size
-        block_tables[r, :ceil(seq_len / block_size)] in [0, num_blocks)   (entries past the
-                                                                           context are never read)
+        block_tables[r, first:ceil(seq_len / block_size)] in [0, num_blocks)
+
+    where ``first`` is 0, or with ``sliding_window = W`` the block of the first position the
+    row's first query sees (``max(0, seq_len - q_len - W + 1) // block_size``): entries before
+    it and past the context are never read, so they may name freed blocks or anything else.
     """
     qsl = query_start_loc.detach().to("cpu", torch.int64)
     lens = seq_lens.detach().to("cpu", torch.int64)
@@ -196,7 +231,11 @@ def check_attention_metadata(
         return
     tables = block_tables.detach().to("cpu", torch.int64)
     blocks_used = (lens + block_size - 1) // block_size
-    used = torch.arange(max_blocks_per_row)[None, :] < blocks_used[:, None]
+    columns = torch.arange(max_blocks_per_row)[None, :]
+    used = columns < blocks_used[:, None]
+    if sliding_window is not None:
+        first_needed = (lens - q_lens - sliding_window + 1).clamp(min=0) // block_size
+        used &= columns >= first_needed[:, None]
     bad = used & ((tables < 0) | (tables >= num_blocks))
     if bool(bad.any()):
         row, col = (int(i) for i in torch.nonzero(bad)[0])

@@ -51,6 +51,8 @@ class AttentionCase:
     block_size: int
     dtype: torch.dtype
     large_cache: bool = False  # block strides past int32: passed as i64
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
 
     def config(self) -> AttentionConfig:
         return choose_config(
@@ -67,6 +69,19 @@ class AttentionCase:
 QUICK_CASES = [
     AttentionCase("prefill chunk 512, 32/8 heads, d128", 512, 1, 32, 8, 128, 16, torch.bfloat16),
     AttentionCase("decode batch 64, 8/2 heads, d80, bs 1", 64, 64, 8, 2, 80, 1, torch.float16),
+    # Gemma 2's sliding layers: a window of 4096 positions and scores capped at 50.
+    AttentionCase(
+        "prefill 512, W 4096, cap 50, 8/4 h, d256",
+        512,
+        1,
+        8,
+        4,
+        256,
+        16,
+        torch.bfloat16,
+        sliding_window=4096,
+        logit_softcap=50.0,
+    ),
 ]
 FULL_CASES = [
     *QUICK_CASES,
@@ -78,6 +93,49 @@ FULL_CASES = [
     AttentionCase("prefill 8/4 heads, d256", 2048, 4, 8, 4, 256, 16, torch.bfloat16),
     AttentionCase("decode 12/2 heads (group 6), d64", 32, 32, 12, 2, 64, 8, torch.bfloat16),
     AttentionCase("mixed fp32, 8/2 heads, d128", 300, 20, 8, 2, 128, 16, torch.float32),
+    AttentionCase(
+        "decode 64, W 4096, cap 50, 8/4 h, d256",
+        64,
+        64,
+        8,
+        4,
+        256,
+        16,
+        torch.bfloat16,
+        sliding_window=4096,
+        logit_softcap=50.0,
+    ),
+    AttentionCase(
+        "prefill 8 chunks, W 1024, 32/8 h, d128",
+        4096,
+        8,
+        32,
+        8,
+        128,
+        16,
+        torch.bfloat16,
+        sliding_window=1024,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class ExpertsCase:
+    """One launch of the fused experts (``triton_moe``): its config follows from these."""
+
+    label: str
+    num_pairs: int  # tokens x top-k
+    num_experts: int
+    top_k: int
+    dtype: torch.dtype
+
+
+QUICK_EXPERTS_CASES = [ExpertsCase("experts decode 1 x top-8 of 128", 8, 128, 8, torch.bfloat16)]
+FULL_EXPERTS_CASES = [
+    *QUICK_EXPERTS_CASES,
+    ExpertsCase("experts prefill 300 x top-8 of 64", 2400, 64, 8, torch.float16),
+    ExpertsCase("experts prefill 2048 x top-2 of 8", 4096, 8, 2, torch.bfloat16),
+    ExpertsCase("experts fp32 256 x top-2 of 8", 512, 8, 2, torch.float32),
 ]
 
 
@@ -153,6 +211,8 @@ def check_attention(case: AttentionCase, arch: int) -> bool:
         block_size=case.block_size,
         queries_per_kv=case.num_q_heads // case.num_kv_heads,
         dtype=case.dtype,
+        sliding_window=case.sliding_window,
+        logit_softcap=case.logit_softcap,
     )
     element = "*" + _TRITON_TYPES[case.dtype]
     pointers = dict.fromkeys(("out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"), element)
@@ -220,6 +280,57 @@ def check_helpers(arch: int) -> bool:
     return ok
 
 
+def check_experts(case: ExpertsCase, arch: int) -> bool:
+    """Both kernels of one fused-experts launch (gate/up with the activation, then down)."""
+    from kvgate.kernels import triton_moe  # noqa: PLC0415 - after the mode check
+
+    config = triton_moe.choose_experts_config(
+        case.num_pairs, case.num_experts, case.dtype, interpreted=False
+    )
+    element = "*" + _TRITON_TYPES[case.dtype]
+    shared_types = {"pair_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
+    shared_types |= dict.fromkeys(("num_pairs", "num_experts", "hidden", "inter"), "i32")
+    constants = {
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "DOT_PRECISION": triton_moe.dot_precision(case.dtype),
+    }
+    kernels: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = [
+        (
+            "gate/up",
+            triton_moe._expert_gate_up_kernel,
+            dict.fromkeys(("x_ptr", "gate_up_ptr", "act_ptr"), element),
+            {"TOP_K": case.top_k},
+        ),
+        (
+            "down",
+            triton_moe._expert_down_kernel,
+            dict.fromkeys(("act_ptr", "down_ptr"), element)
+            | {"pair_out_ptr": "*fp32", "topk_weights_ptr": "*fp32"},
+            {},
+        ),
+    ]
+    ok = True
+    for part, kernel, pointers, extra in kernels:
+        types = _signature(kernel, pointers, set()) | shared_types
+        registers, spills, shared = _compile(
+            kernel,
+            signature={name: types[name] for name in kernel.arg_names if name in types},
+            constants=constants | extra,
+            arch=arch,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        print(
+            f"{case.label + ', ' + part:<42} {config}\n{'':<42} registers {registers}, "
+            f"spills {spills} B, shared {shared} B",
+            flush=True,
+        )
+        ok &= spills <= MAX_SPILL_BYTES or case.dtype == torch.float32
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
@@ -232,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in QUICK_CASES if args.quick else FULL_CASES:
         ok &= check_attention(case, args.arch)
     ok &= check_helpers(args.arch)
+    for experts in QUICK_EXPERTS_CASES if args.quick else FULL_EXPERTS_CASES:
+        ok &= check_experts(experts, args.arch)
     print("all variants compiled" + ("" if ok else "; some 16-bit variant spills registers"))
     return 0 if ok else 1
 

@@ -22,6 +22,13 @@ cache layer view  [num_blocks, block_size, Hkv, D]  (strided in dim 0: other lay
   index_select(0, block_ids[blocks_per_row])      -> [blocks_per_row, block_size, Hkv, D]
   view, [:seq_len], transpose                     -> [1, Hkv, seq_len, D]   (no copy)
 ```
+
+A plan made with ``sliding_window = W`` reads only what its queries see (``p - W < k <= p``):
+decode rows their last ``W`` positions, prefill rows the blocks from the one holding their first
+query's first visible position, each query chunk the positions from its own first query's. So a
+long context under a small window costs the window, and blocks wholly before a row's window are
+never read (the cache may have freed them). ``logit_softcap`` (``c * tanh(s / c)`` on every
+score) leaves SDPA, which cannot cap, for :func:`_softcapped_attention`.
 """
 
 from __future__ import annotations
@@ -33,7 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.kernels import cpu
-from kvgate.kernels.checks import check_attention_metadata, check_attention_shapes
+from kvgate.kernels.checks import (
+    check_attention_metadata,
+    check_attention_options,
+    check_attention_shapes,
+    first_visible_position,
+)
 from kvgate.kernels.torch_decode import DecodeSlots, decode_attention, row_table
 
 # Upper bound on context positions (rows x padded length) per decode group. A group holds about
@@ -56,13 +68,16 @@ class _DecodeGroup:
 @dataclass(frozen=True)
 class _QueryChunk:
     tokens: slice  # query tokens of one row
-    visible_len: int  # context positions the chunk's last query sees
-    visible: torch.Tensor | None  # bool [1, 1, q, visible_len]; None: every position visible
+    seen: slice  # the positions any of them sees, as indices into the row's gathered positions
+    visible: torch.Tensor | None  # bool [1, 1, q, len(seen)]; None: every position visible
 
 
 @dataclass(frozen=True)
 class _ChunkRow:
-    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]: the row's blocks
+    """A prefill row's blocks from the first one its queries see (``first_position`` on)."""
+
+    block_ids: torch.Tensor  # int64 [blocks]: the row's blocks from first_position's
+    first_position: int  # context position of the first gathered slot (a block boundary)
     seq_len: int
     chunks: tuple[_QueryChunk, ...]
 
@@ -92,6 +107,7 @@ class AttentionPlan:
     compiled: bool  # rows on the compiled kernel (float32 caches) instead of the torch paths
     # compiled only: prefill tokens in a decode row's order of sums (the batch-invariant mode)
     per_token: bool
+    sliding_window: int | None  # every call with this plan attends with this window
     _decode_rows: tuple[int, ...]  # the same rows, for the torch groups
     _starts: tuple[int, ...]  # query_start_loc's values
     _lens: tuple[int, ...]  # seq_lens' values
@@ -103,37 +119,60 @@ class AttentionPlan:
         if not self._decode_rows:
             return ()
         lens, starts = self._lens, self._starts
+        # A decode row's query sits at position len - 1 and sees [first, len).
+        firsts = [first_visible_position(n - 1, self.sliding_window) for n in lens]
+        counts = tuple(n - first for n, first in zip(lens, firsts, strict=True))
         groups = []
-        for rows in _decode_groups(list(self._decode_rows), lens):
-            lengths = [lens[r] for r in rows]
+        for rows in _decode_groups(list(self._decode_rows), counts):
+            widths = [counts[r] for r in rows]
             slots = DecodeSlots.build(
-                self._tables[rows], torch.tensor(lengths), max(lengths), block_size=self.block_size
+                self._tables[rows],
+                torch.tensor([firsts[r] for r in rows]),
+                torch.tensor(widths),
+                max(widths),
+                block_size=self.block_size,
             )
             groups.append(_DecodeGroup(_token_index([starts[r] for r in rows]), slots))
         return tuple(groups)
 
     @cached_property
     def chunk_rows(self) -> tuple[_ChunkRow, ...]:
-        """Rows with several queries, cut into query chunks with their causal masks, made once."""
+        """Rows with several queries, cut into query chunks with their masks, made once.
+
+        Positions of a row's chunk (its first query at ``p0``, its last at ``p1``)::
+
+            gathered   | first_position (block boundary) ............................ seq_len)
+            chunk sees           | first_visible(p0) ................ p1 |
+            query at p sees               | first_visible(p) ... p |       (the mask)
+        """
         starts, lens, block_size = self._starts, self._lens, self.block_size
+        window = self.sliding_window
         rows = []
         for r, seq_len in enumerate(lens):
             q_begin, q_end = starts[r], starts[r + 1]
             if seq_len == 0 or q_end - q_begin <= 1:
                 continue
-            # Token t of the row sits at first_position + t - q_begin.
-            first_position = seq_len - (q_end - q_begin)
+            # Token t of the row sits at context_begin + t - q_begin.
+            context_begin = seq_len - (q_end - q_begin)
+            first_block = first_visible_position(context_begin, window) // block_size
+            gathered_from = first_block * block_size
             chunks = []
             for begin in range(q_begin, q_end, _MAX_QUERY_CHUNK):
                 end = min(begin + _MAX_QUERY_CHUNK, q_end)
-                positions = torch.arange(begin - q_begin, end - q_begin) + first_position
-                visible_len = first_position + end - q_begin
+                positions = torch.arange(begin - q_begin, end - q_begin) + context_begin
+                seen_from = first_visible_position(int(positions[0]), window)
+                seen_to = context_begin + end - q_begin  # past the chunk's last query
                 visible = None
                 if end - begin > 1:
-                    visible = (torch.arange(visible_len)[None, :] <= positions[:, None])[None, None]
-                chunks.append(_QueryChunk(slice(begin, end), visible_len, visible))
-            block_ids = self._tables[r, : -(-seq_len // block_size)]
-            rows.append(_ChunkRow(block_ids, seq_len, tuple(chunks)))
+                    keys = torch.arange(seen_from, seen_to)[None, :]
+                    visible = keys <= positions[:, None]
+                    if window is not None:
+                        visible &= keys > positions[:, None] - window
+                    visible = visible[None, None]
+                seen = slice(seen_from - gathered_from, seen_to - gathered_from)
+                chunks.append(_QueryChunk(slice(begin, end), seen, visible))
+            block_ids = self._tables[r, first_block : -(-seq_len // block_size)]
+            rows.append(_ChunkRow(block_ids, gathered_from, seq_len, tuple(chunks)))
         return tuple(rows)
 
     def require_matches(
@@ -143,8 +182,9 @@ class AttentionPlan:
         block_tables: torch.Tensor,
         query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
+        sliding_window: int | None,
     ) -> None:
-        """The plan was made for this call's metadata and cache geometry."""
+        """The plan was made for this call's metadata, window and cache geometry."""
         if (
             block_tables is not self.block_tables
             or query_start_loc is not self.query_start_loc
@@ -153,6 +193,11 @@ class AttentionPlan:
             raise ValueError(
                 "plan was made for other metadata tensors: pass the block_tables, "
                 "query_start_loc and seq_lens it was planned from"
+            )
+        if sliding_window != self.sliding_window:
+            raise ValueError(
+                f"plan was made for sliding_window={self.sliding_window}, the call asks for "
+                f"{sliding_window}: plan once per distinct window"
             )
         geometry = (query.shape[0], key_cache.shape[0], key_cache.shape[1])
         planned = (self.num_tokens, self.num_blocks, self.block_size)
@@ -171,7 +216,8 @@ def _token_index(tokens: list[int]) -> torch.Tensor | slice:
 
 
 def _decode_groups(rows: list[int], lens: tuple[int, ...]) -> list[list[int]]:
-    """Rows sorted by length, cut into groups bounded in gathered memory and in padding.
+    """Rows sorted by ``lens`` (positions each reads), cut into groups bounded in gathered
+    memory and in padding.
 
     Rows arrive in their original order; sorting is skipped when one group holds them all.
     """
@@ -206,6 +252,7 @@ def plan_attention_torch(
     block_size: int,
     compiled: bool = False,
     per_token: bool = False,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     """Check the metadata's values once and precompute every layer's gather indices and masks.
 
@@ -214,7 +261,10 @@ def plan_attention_torch(
     call's caches are not. ``per_token`` (compiled only): every prefill token is summed in the
     order of a decode row, so a token's output does not depend on the chunk it was computed
     in; calls whose caches the compiled kernel cannot read are refused instead of falling back.
+    ``sliding_window``: the window of every call that uses the plan (the groups and masks depend
+    on it; layers with another window need their own plan).
     """
+    check_attention_options(sliding_window, None)
     if compiled and not cpu.loaded():
         raise ValueError("compiled attention asked for, but kvgate.kernels.cpu is not loaded")
     if per_token and not compiled:
@@ -226,6 +276,7 @@ def plan_attention_torch(
         num_tokens=num_tokens,
         num_blocks=num_blocks,
         block_size=block_size,
+        sliding_window=sliding_window,
     )
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -248,6 +299,7 @@ def plan_attention_torch(
         ),
         compiled=compiled,
         per_token=per_token,
+        sliding_window=sliding_window,
         _decode_rows=tuple(decode_rows),
         _starts=tuple(starts),
         _lens=tuple(lens),
@@ -258,14 +310,37 @@ def plan_attention_torch(
 def _gather_row(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (strided ok)
     row: _ChunkRow,
-) -> torch.Tensor:  # [1, num_kv_heads, seq_len, head_dim] (a strided view), float32
-    """One row's context, copied block by block."""
+) -> torch.Tensor:  # [1, num_kv_heads, seq_len - first_position, head_dim] (a strided view)
+    """One row's context from ``row.first_position`` on, copied block by block, float32."""
     num_kv_heads, head_dim = cache.shape[2:]
     blocks = cache.index_select(0, row.block_ids)
     if blocks.dtype != torch.float32:
         blocks = blocks.float()  # half-precision inputs: accumulate in float32
-    positions = blocks.view(1, -1, num_kv_heads, head_dim)[:, : row.seq_len]
+    positions = blocks.view(1, -1, num_kv_heads, head_dim)[:, : row.seq_len - row.first_position]
     return positions.transpose(1, 2)
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # [n, num_q_heads, q_len, head_dim]
+    keys: torch.Tensor,  # [n, num_kv_heads, ctx, head_dim]
+    values: torch.Tensor,  # [n, num_kv_heads, ctx, head_dim]
+    visible: torch.Tensor | None,  # bool, broadcastable to [n, 1, q_len, ctx]
+    softmax_scale: float,
+    logit_softcap: float,
+) -> torch.Tensor:  # [n, num_q_heads, q_len, head_dim]
+    """SDPA's arithmetic with ``c * tanh(s / c)`` on every score ``s`` before the mask."""
+    n, num_q_heads, q_len, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_q_heads // num_kv_heads
+    # Query head h reads KV head h // group: the group's heads become extra query rows.
+    grouped = q.reshape(n, num_kv_heads, group * q_len, head_dim)
+    scores = (grouped @ keys.transpose(-1, -2)) * softmax_scale  # [n, Hkv, group * q_len, ctx]
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    scores = scores.view(n, num_kv_heads, group, q_len, -1)
+    if visible is not None:
+        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1).view(n, num_kv_heads, group * q_len, -1)
+    return (probs @ values).view(n, num_q_heads, q_len, head_dim)
 
 
 def _gather_positions(
@@ -296,11 +371,15 @@ def paged_attention_torch(
     softmax_scale: float,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`kvgate.kernels.paged_attention`, for CPU tensors."""
     check_attention_shapes(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, softmax_scale, out
     )
+    check_attention_options(sliding_window, logit_softcap)
     if plan is None:
         plan = plan_attention_torch(
             block_tables,
@@ -309,9 +388,12 @@ def paged_attention_torch(
             num_tokens=query.shape[0],
             num_blocks=key_cache.shape[0],
             block_size=key_cache.shape[1],
+            sliding_window=sliding_window,
         )
     else:
-        plan.require_matches(query, key_cache, block_tables, query_start_loc, seq_lens)
+        plan.require_matches(
+            query, key_cache, block_tables, query_start_loc, seq_lens, sliding_window
+        )
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if plan.padding_tokens is not None:
@@ -323,6 +405,10 @@ def paged_attention_torch(
         values: torch.Tensor,
         visible: torch.Tensor | None,  # bool, broadcastable to [n, 1, q_len, ctx]
     ) -> torch.Tensor:  # [n, num_q_heads, q_len, head_dim], the dtype of keys
+        if logit_softcap is not None:
+            return _softcapped_attention(
+                q.to(keys.dtype), keys, values, visible, softmax_scale, logit_softcap
+            )
         return F.scaled_dot_product_attention(
             q.to(keys.dtype),
             keys,
@@ -336,7 +422,8 @@ def paged_attention_torch(
         if plan.compiled_rows is not None:
             torch.ops.kvgate_cpu.paged_attention(
                 query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                plan.compiled_rows, softmax_scale, out, plan.per_token,
+                plan.compiled_rows, softmax_scale, out, plan.per_token, sliding_window,
+                logit_softcap,
             )  # fmt: skip
         return out
     if plan.per_token:
@@ -351,7 +438,7 @@ def paged_attention_torch(
             if key_table is not None and value_table is not None and key_table[1] == value_table[1]:
                 result = decode_attention(
                     q.float(), key_table[0], value_table[0], key_table[1], key_cache.shape[2],
-                    group.slots, softmax_scale,
+                    group.slots, softmax_scale, logit_softcap,
                 )  # fmt: skip
             else:
                 keys = _gather_positions(key_cache, group.slots)
@@ -366,7 +453,7 @@ def paged_attention_torch(
         values = _gather_row(value_cache, row)
         for chunk in row.chunks:
             q = query[chunk.tokens].transpose(0, 1)[None]  # [1, num_q_heads, q, head_dim]
-            seen = slice(0, chunk.visible_len)
+            seen = chunk.seen
             result = attend(q, keys[:, :, seen], values[:, :, seen], chunk.visible)
             out[chunk.tokens] = result[0].transpose(0, 1).to(out.dtype)
     return out

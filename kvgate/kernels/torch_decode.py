@@ -18,9 +18,12 @@ out    = embedding_bag(value_rows, table_v, per_sample_weights=probs)   = sum_p 
 The row indices and the workspace (a piece's keys, the scores) are built on a step's first layer
 and reused by the others.
 
-Positions past a row's length (padding up to the group's longest row) read the row's position 0,
-which holds data: their score is masked to ``-inf``, so their weight is exactly zero and
-``0 * V`` is zero (a padding slot of unwritten memory could hold NaN, and ``0 * NaN`` is NaN).
+A row reads only the positions its query sees: ``[0, len)``, or with a sliding window of ``W``
+the last ``min(W, len)`` of them, so a long context under a small window costs the window.
+Columns past a row's visible count (padding up to the group's widest row) read the row's first
+visible position, which holds data: their score is masked to ``-inf``, so their weight is
+exactly zero and ``0 * V`` is zero (a padding slot of unwritten memory, or a block before the
+window that the cache has freed, could hold NaN, and ``0 * NaN`` is NaN).
 """
 
 from __future__ import annotations
@@ -37,15 +40,20 @@ _PIECE_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class DecodeSlots:
-    """Where each context position of ``n`` decode rows (padded to ``max_len``) lives.
+    """Where each visible context position of ``n`` decode rows (padded to ``max_len``) lives.
+
+    Column ``j`` of row ``i`` is position ``firsts[i] + j`` while ``j < counts[i]``::
+
+        row i   | firsts[i] ... firsts[i] + counts[i] - 1 | padding: reads firsts[i], hidden |
+                 \\________ visible positions _________/
 
     The row indices depend on the cache view's strides, known only per call; they are computed
     on first use and kept for the other layers of the step (``_rows``).
     """
 
-    block_ids: torch.Tensor  # int64 [n, max_len]; padding positions: the row's position 0
+    block_ids: torch.Tensor  # int64 [n, max_len]; padding: the row's first visible position's
     offsets: torch.Tensor  # int64 [n, max_len]; offset in the block
-    hidden: torch.Tensor | None  # bool [n, 1, max_len]: past the row's length; None: none are
+    hidden: torch.Tensor | None  # bool [n, 1, max_len]: padding columns; None: there are none
     _rows: dict[tuple[int, int, int, int], _TableRows] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -54,17 +62,18 @@ class DecodeSlots:
     def build(
         cls,
         tables: torch.Tensor,  # int64 [n, max_blocks_per_row]
-        lengths: torch.Tensor,  # int64 [n], each >= 1
-        max_len: int,
+        firsts: torch.Tensor,  # int64 [n]: each row's first visible position
+        counts: torch.Tensor,  # int64 [n], each >= 1: visible positions from there
+        max_len: int,  # max(counts)
         block_size: int,
     ) -> DecodeSlots:
-        positions = torch.arange(max_len)
-        n = tables.shape[0]
-        # Columns past a row's context may hold anything: only read where the position is real.
-        block_ids = tables.gather(1, (positions // block_size).expand(n, max_len))
-        inside = positions[None, :] < lengths[:, None]  # [n, max_len]
-        block_ids = torch.where(inside, block_ids, tables[:, :1])
-        offsets = torch.where(inside, positions % block_size, 0)
+        columns = torch.arange(max_len)
+        inside = columns[None, :] < counts[:, None]  # [n, max_len]
+        # Entries of the table outside a row's visible positions may hold anything: padding
+        # columns read the row's first visible position instead.
+        positions = firsts[:, None] + torch.where(inside, columns[None, :], 0)
+        block_ids = tables.gather(1, positions // block_size)
+        offsets = positions % block_size
         hidden = None if bool(inside.all()) else ~inside[:, None, :]
         return cls(block_ids, offsets, hidden)
 
@@ -157,8 +166,10 @@ def decode_attention(
     num_kv_heads: int,
     slots: DecodeSlots,
     softmax_scale: float,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # float32 [n, num_q_heads, head_dim]
-    """One query per row over the row's context (see the module docstring)."""
+    """One query per row over the row's visible positions (see the module docstring); with
+    ``logit_softcap = c`` each score ``s`` becomes ``c * tanh(s / c)`` before the softmax."""
     n, num_q_heads, head_dim = query.shape
     group = num_q_heads // num_kv_heads
     max_len = slots.block_ids.shape[1]
@@ -171,6 +182,8 @@ def decode_attention(
         torch.bmm(q_piece, piece.keys_t, out=piece.scores)
     scores = rows.scores
     probs = scores.view(n, num_q_heads, max_len)
+    if logit_softcap is not None:  # in place, like the softmax below
+        probs.div_(logit_softcap).tanh_().mul_(logit_softcap)
     if slots.hidden is not None:
         probs.masked_fill_(slots.hidden, float("-inf"))
     # Softmax in place (a new tensor of this size would be page-faulted in, see _TableRows).

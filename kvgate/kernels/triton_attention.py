@@ -18,7 +18,15 @@ a program finds its row by binary search and exits when its tile is past the row
 
 Each program walks its KV positions in TILE_N steps (any block size: each position looks up its
 own block id, int64 offsets), with an online softmax in the exp2 domain and float32
-accumulators. With ``num_splits > 1`` (few programs, e.g. small decode batches) the context is
+accumulators. With a sliding window the walk starts at the tile holding the first position the
+program's first query sees (positions before it, and their block-table entries, are never
+loaded), so a long context under a small window costs the window::
+
+    row's context   0 ............................................................. seq_len
+    tile's queries                                              | q_first ... q_last |
+    walked                                [first visible of q_first ............... q_last]
+                                          (from its TILE_N-aligned tile; masked below it)
+ With ``num_splits > 1`` (few programs, e.g. small decode batches) the context is
 cut into ``num_splits`` ranges whose normalised partial outputs and log-sum-exps are merged by
 :func:`_merge_splits_kernel` (flash-decoding).
 """
@@ -37,7 +45,11 @@ from kvgate.kernels.attention_config import (
     choose_config,
     next_power_of_2,
 )
-from kvgate.kernels.checks import check_attention_metadata, check_attention_shapes
+from kvgate.kernels.checks import (
+    check_attention_metadata,
+    check_attention_options,
+    check_attention_shapes,
+)
 from kvgate.kernels.triton_common import require_matching_triton_mode
 
 __all__ = ["AttentionConfig", "paged_attention_triton"]
@@ -103,6 +115,8 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # None: full causal
+    LOGIT_SOFTCAP: tl.constexpr,  # None: no cap
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,12 +152,20 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # -- the KV positions this program covers: [tile_begin, tile_end) * TILE_N, clipped to kv_end
+    # -- the KV positions this program covers: [tile_begin, tile_end) * TILE_N, clipped to
+    # [kv_begin, kv_end)
     last_q_exclusive = tl.minimum(q_begin + BLOCK_Q, q_len)
     kv_end = tl.maximum(tl.minimum(context_begin + last_q_exclusive, seq_len), 0)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_begin = split * tiles_per_split
+    if SLIDING_WINDOW is not None:
+        # The first position the program's first query sees: p - W < k.
+        kv_begin = tl.maximum(context_begin + q_begin - SLIDING_WINDOW + 1, 0)
+        first_tile = kv_begin // TILE_N
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_begin = first_tile + split * tiles_per_split
+    else:
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     table_row_ptr = block_tables_ptr + row.to(tl.int64) * stride_table_row
@@ -156,6 +178,8 @@ def _paged_attention_kernel(
     for tile in range(tile_begin, tile_end):
         position = tile * TILE_N + tl.arange(0, TILE_N)
         position_valid = position < kv_end
+        if SLIDING_WINDOW is not None:
+            position_valid = position_valid & (position >= kv_begin)
         block_id = tl.load(table_row_ptr + position // BLOCK_SIZE, mask=position_valid, other=0).to(
             tl.int64
         )
@@ -172,8 +196,18 @@ def _paged_attention_kernel(
             mask=position_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if LOGIT_SOFTCAP is not None:
+            # c * tanh(s / c) in the log2 domain, tanh(y) = 1 - 2 / (exp(2y) + 1): exp2 of a
+            # large score is inf (tanh 1), of a very negative one 0 (tanh -1), never NaN.
+            grown = tl.math.exp2(
+                tl.dot(q, k, input_precision=DOT_PRECISION) * (2.0 * scale_log2 / LOGIT_SOFTCAP)
+            )
+            scores = (LOGIT_SOFTCAP * 1.4426950408889634) * (1.0 - 2.0 / (grown + 1.0))
+        else:
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = (position[None, :] <= q_position[:, None]) & position_valid[None, :]
+        if SLIDING_WINDOW is not None:
+            visible = visible & (position[None, :] > q_position[:, None] - SLIDING_WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -280,11 +314,15 @@ def paged_attention_triton(
     softmax_scale: float,
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Validate, pick a config (unless given: tests and benchmarks pin one) and launch."""
     check_attention_shapes(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, softmax_scale, out
     )
+    check_attention_options(sliding_window, logit_softcap)
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     if head_dim > MAX_HEAD_DIM:
@@ -297,7 +335,13 @@ def paged_attention_triton(
         )
     if query.device.type == "cpu":  # interpreted: reading the metadata costs nothing here
         check_attention_metadata(
-            block_tables, query_start_loc, seq_lens, num_tokens, num_blocks, block_size
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            num_tokens,
+            num_blocks,
+            block_size,
+            sliding_window=sliding_window,
         )
     require_matching_triton_mode(_paged_attention_kernel, query.device)
     if out is None:
@@ -328,6 +372,8 @@ def paged_attention_triton(
         block_size=block_size,
         queries_per_kv=queries_per_kv,
         dtype=query.dtype,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )
     head_dim_pad = constants["HEAD_DIM_PAD"]
     block_q = constants["BLOCK_Q"]

@@ -27,7 +27,12 @@ import torch
 
 from kvgate.kernels.dispatch import triton_interpreting
 
-TRITON_MODULES = ("kvgate.kernels.triton_attention", "kvgate.kernels.triton_cache")
+TRITON_MODULES = (
+    "kvgate.kernels.triton_attention",
+    "kvgate.kernels.triton_cache",
+    "kvgate.kernels.triton_moe",
+    "kvgate.kernels.triton_quant",
+)
 
 
 def _load_triton() -> bool:

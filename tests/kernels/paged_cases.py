@@ -126,11 +126,38 @@ def build_batch(
     )
 
 
-def dense_causal_attention(batch: PagedBatch) -> torch.Tensor:  # float64 like the reference
+def forget_before_window(batch: PagedBatch, sliding_window: int) -> PagedBatch:
+    """``batch`` as a cache that dropped what no query sees: every position before the window
+    of its row's first query is NaN-poisoned, and the block-table entries of the blocks lying
+    wholly before it point outside the cache (as if freed, or never held after a prefix-cache
+    hit). A kernel that reads any of them, instead of starting at the window, fails.
+    """
+    keys, values = batch.key_cache_5d.clone(), batch.value_cache_5d.clone()
+    tables = batch.block_tables.clone()
+    num_blocks, block_size = keys.shape[0], keys.shape[2]
+    starts = batch.query_start_loc.tolist()
+    for r, seq_len in enumerate(batch.seq_lens.tolist()):
+        q_len = starts[r + 1] - starts[r]
+        if seq_len == 0 or q_len == 0:
+            continue
+        first_seen = max(0, seq_len - q_len - sliding_window + 1)
+        for position in range(first_seen):
+            at = (int(tables[r, position // block_size]), batch.layer, position % block_size)
+            keys[at] = values[at] = float("nan")
+        tables[r, : first_seen // block_size] = num_blocks + 2000
+    return PagedBatch(
+        batch.query, keys, values, batch.layer, tables, batch.query_start_loc, batch.seq_lens,
+        batch.dense_keys, batch.dense_values, batch.softmax_scale,
+    )  # fmt: skip
+
+
+def dense_causal_attention(
+    batch: PagedBatch, *, sliding_window: int | None = None, logit_softcap: float | None = None
+) -> torch.Tensor:  # float64 like the reference
     """Attention from the contiguous per-row K/V: no block tables, no paging, whole matrices.
 
-    Written independently of ``reference.py`` (matrix form, explicit bottom-right mask, heads
-    expanded with ``repeat_interleave``) so the two cannot share a mistake.
+    Written independently of ``reference.py`` (matrix form, explicit bottom-right mask as a band
+    of diagonals, heads expanded with ``repeat_interleave``) so the two cannot share a mistake.
     """
     num_tokens, num_q_heads, head_dim = batch.query.shape
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float64)
@@ -145,8 +172,13 @@ def dense_causal_attention(batch: PagedBatch) -> torch.Tensor:  # float64 like t
         v = batch.dense_values[r].cpu().double().repeat_interleave(group, dim=1).transpose(0, 1)
         q = batch.query[q_begin:q_end].cpu().double().transpose(0, 1)  # [heads, q_len, d]
         scores = q @ k.transpose(1, 2) * batch.softmax_scale  # [heads, q_len, seq_len]
-        # Bottom-right causal: query i may see key j iff j <= i + (seq_len - q_len).
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        # Bottom-right causal: query i may see key j iff j <= i + (seq_len - q_len); under a
+        # window of W also iff j >= i + (seq_len - q_len) - W + 1.
         mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - q_len)
+        if sliding_window is not None:
+            mask = mask.triu(diagonal=seq_len - q_len - sliding_window + 1)
         scores = scores.masked_fill(~mask, float("-inf"))
         out[q_begin:q_end] = (scores.softmax(dim=-1) @ v).transpose(0, 1)
     return out
@@ -163,4 +195,18 @@ MIXED_ROWS = [
     Row(q_len=0, seq_len=9),  # a row with context but no new token this step
     Row(q_len=1, seq_len=16),  # decode ending exactly on a block boundary (block_size 16)
     Row(q_len=17, seq_len=20),  # a chunk longer than one query tile
+]
+
+# For sliding windows (of 1 to a few blocks of 8): rows whose context is shorter than, equal to
+# and longer than the window, with window edges inside blocks and on their boundaries.
+WINDOW_ROWS = [
+    Row(q_len=1, seq_len=1),  # a one-token prompt's decode step
+    Row(q_len=1, seq_len=45),  # decode far past the window: early blocks never read
+    Row(q_len=6, seq_len=6),  # prefill chunk without prior context
+    Row(q_len=2, seq_len=0),  # padding row with tokens
+    Row(q_len=5, seq_len=61),  # a later chunk starting past the window (as after a prefix hit)
+    Row(q_len=0, seq_len=9),  # context but no new token
+    Row(q_len=1, seq_len=16),  # decode ending on a block boundary
+    Row(q_len=23, seq_len=40),  # a chunk whose first queries' windows reach into prior context
+    Row(q_len=1, seq_len=13),  # decode: context equal to the window of 13
 ]

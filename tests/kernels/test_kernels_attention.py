@@ -1,5 +1,5 @@
 """paged_attention on CPU: the Triton kernel (interpreted) and the vectorized torch path, both
-against the loop reference of ``kvgate/kernels/reference.py`` (float64).
+against the loop reference of ``tests/kernels/reference.py`` (float64).
 
 Tolerances (absolute, relative) against the float64 reference, per input dtype:
 
@@ -16,7 +16,10 @@ Tolerances (absolute, relative) against the float64 reference, per input dtype:
   ``test_kernels_gpu.py`` covers the kernel on a GPU with (3e-2, 2e-2).
 
 The caches are NaN-poisoned outside every row's context (see ``paged_cases``), so a read of a
-wrong block or position fails loudly rather than within tolerance.
+wrong block or position fails loudly rather than within tolerance. Under a sliding window the
+blocks before each row's window are poisoned too and their block-table entries point outside
+the cache (``forget_before_window``): a backend that reads them, instead of starting at the
+window, fails.
 """
 
 from __future__ import annotations
@@ -29,8 +32,15 @@ import torch
 
 from kvgate import kernels
 from kvgate.kernels import torch_attention, triton_attention
-from kvgate.kernels.reference import paged_attention_reference
-from tests.kernels.paged_cases import MIXED_ROWS, PagedBatch, Row, build_batch
+from tests.kernels.paged_cases import (
+    MIXED_ROWS,
+    WINDOW_ROWS,
+    PagedBatch,
+    Row,
+    build_batch,
+    forget_before_window,
+)
+from tests.kernels.reference import paged_attention_reference
 
 TOLERANCES = {torch.float32: (2e-5, 1e-5), torch.float16: (5e-3, 5e-3)}
 
@@ -47,9 +57,19 @@ def attention(request: pytest.FixtureRequest) -> AttentionFn:
 
 
 def assert_matches_reference(
-    batch: PagedBatch, actual: torch.Tensor, tolerance: tuple[float, float] | None = None
+    batch: PagedBatch,
+    actual: torch.Tensor,
+    tolerance: tuple[float, float] | None = None,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
-    expected = paged_attention_reference(*batch.args(), batch.softmax_scale)
+    expected = paged_attention_reference(
+        *batch.args(),
+        batch.softmax_scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
     atol, rtol = tolerance or TOLERANCES[batch.query.dtype]
     assert actual.dtype == batch.query.dtype
     assert not torch.isnan(actual).any(), "read outside a row's context (NaN-poisoned)"
@@ -192,3 +212,130 @@ def test_torch_path_bfloat16(torch_backend: None) -> None:
     )
     out = kernels.paged_attention(*batch.args(), batch.softmax_scale)
     assert_matches_reference(batch, out, tolerance=(2e-2, 1e-2))
+
+
+# Windows against WINDOW_ROWS in blocks of 8: one position; edges inside blocks (5, 13: the
+# context of a row); one block exactly (edges on block boundaries); longer than every context.
+WINDOWS = [1, 5, 8, 13, 100]
+
+
+def window_batch(
+    sliding_window: int,
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    rows: list[Row] = WINDOW_ROWS,
+    block_size: int = 8,
+) -> PagedBatch:
+    batch = build_batch(
+        rows, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, seed=sliding_window,
+    )  # fmt: skip
+    return forget_before_window(batch, sliding_window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+def test_sliding_window_matches_reference(
+    attention: AttentionFn, sliding_window: int, dtype: torch.dtype
+) -> None:
+    """Decode rows, prefill chunks with and without prior context, a chunk starting past the
+    window, padding rows; windows shorter than, equal to and longer than the contexts."""
+    batch = window_batch(sliding_window, dtype=dtype)
+    out = attention(*batch.args(), batch.softmax_scale, sliding_window=sliding_window)
+    assert_matches_reference(batch, out, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"),
+    [(8, 1, 80), (6, 2, 64), (4, 4, 32)],
+    ids=["mqa8-d80", "gqa3", "mha-d32"],
+)
+def test_sliding_window_with_gqa(
+    attention: AttentionFn, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    batch = window_batch(
+        7, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=4
+    )
+    assert_matches_reference(
+        batch, attention(*batch.args(), batch.softmax_scale, sliding_window=7), sliding_window=7
+    )
+
+
+# A scale and cap under which the cap bends most scores (|s| ~ 8 against c = 4): dropping it
+# moves outputs by O(0.1), far outside every tolerance.
+SOFTCAP_SCALE, SOFTCAP = 1.0, 4.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("sliding_window", [None, 8], ids=["causal", "window-8"])
+def test_logit_softcap_matches_reference(
+    attention: AttentionFn, sliding_window: int | None, dtype: torch.dtype
+) -> None:
+    if sliding_window is None:
+        batch = build_batch(
+            MIXED_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=dtype
+        )
+    else:
+        batch = window_batch(sliding_window, dtype=dtype)
+    batch = replace(batch, softmax_scale=SOFTCAP_SCALE)
+    options = {"sliding_window": sliding_window, "logit_softcap": SOFTCAP}
+    out = attention(*batch.args(), batch.softmax_scale, **options)
+    assert_matches_reference(batch, out, **options)
+    uncapped = paged_attention_reference(*batch.args(), batch.softmax_scale, **options | {
+        "logit_softcap": None
+    })  # fmt: skip
+    assert (out.double() - uncapped).abs().amax() > 0.1  # the cap is not a no-op here
+
+
+@pytest.mark.parametrize("num_splits", [3, 8])
+def test_split_kv_with_sliding_window(interpreted_triton: None, num_splits: int) -> None:
+    """Splits of a context that starts at the window: the first split begins at the window's
+    first tile, and splits past the row's end stay empty."""
+    rows = [Row(1, 50), Row(1, 3), Row(0, 0), Row(4, 26), Row(1, 64)]
+    batch = window_batch(20, rows=rows, head_dim=64, num_q_heads=2, num_kv_heads=1)
+    config = triton_attention.AttentionConfig(
+        block_m=16, tile_n=16, num_splits=num_splits, num_warps=4, num_stages=1
+    )
+    out = triton_attention.paged_attention_triton(
+        *batch.args(), batch.softmax_scale, config=config, sliding_window=20, logit_softcap=3.0
+    )
+    assert_matches_reference(batch, out, sliding_window=20, logit_softcap=3.0)
+
+
+def test_query_tiles_span_windows(interpreted_triton: None) -> None:
+    """A query tile of 16 tokens under a window of 5: later tokens of the tile see nothing of
+    the first KV tiles (rows of the score matrix that stay -inf for whole tiles)."""
+    rows = [Row(40, 45), Row(3, 9), Row(1, 2)]
+    batch = window_batch(5, rows=rows, num_q_heads=2, num_kv_heads=1, block_size=4)
+    config = triton_attention.AttentionConfig(
+        block_m=32, tile_n=16, num_splits=1, num_warps=4, num_stages=1
+    )
+    out = triton_attention.paged_attention_triton(
+        *batch.args(), batch.softmax_scale, config=config, sliding_window=5
+    )
+    assert_matches_reference(batch, out, sliding_window=5)
+
+
+def test_torch_path_windows_in_bounded_batches(
+    torch_backend: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Query chunks of 3 (each starts its own window) and decode groups split by memory."""
+    monkeypatch.setattr(torch_attention, "_MAX_GATHERED_POSITIONS", 12)
+    monkeypatch.setattr(torch_attention, "_MAX_QUERY_CHUNK", 3)
+    batch = window_batch(6, block_size=4)
+    out = kernels.paged_attention(*batch.args(), batch.softmax_scale, sliding_window=6)
+    assert_matches_reference(batch, out, sliding_window=6)
+    softcapped = kernels.paged_attention(
+        *batch.args(), batch.softmax_scale, sliding_window=6, logit_softcap=2.0
+    )
+    assert_matches_reference(batch, softcapped, sliding_window=6, logit_softcap=2.0)
+
+
+def test_torch_path_bfloat16_window_and_softcap(torch_backend: None) -> None:
+    batch = replace(window_batch(8, dtype=torch.bfloat16), softmax_scale=SOFTCAP_SCALE)
+    options = {"sliding_window": 8, "logit_softcap": SOFTCAP}
+    out = kernels.paged_attention(*batch.args(), batch.softmax_scale, **options)
+    assert_matches_reference(batch, out, tolerance=(2e-2, 1e-2), **options)

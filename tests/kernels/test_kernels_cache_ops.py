@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvgate import kernels
-from kvgate.kernels.reference import (
+from tests.kernels.reference import (
     copy_slots_reference,
     gather_blocks_reference,
     scatter_blocks_reference,

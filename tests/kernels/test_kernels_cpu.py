@@ -21,12 +21,17 @@ import pytest
 import torch
 
 from kvgate import kernels
-from kvgate.gpu_executor.config import RopeScaling
-from kvgate.gpu_executor.layer_ops import CompiledLayerOps, TorchLayerOps, prepare_cpu_kernels
-from kvgate.gpu_executor.rope import RotaryTable
+from kvgate.executor.config import RopeScaling
+from kvgate.executor.layer_ops import CompiledLayerOps, TorchLayerOps, prepare_cpu_kernels
+from kvgate.executor.rope import RotaryTable
 from kvgate.kernels import cpu, torch_attention
-from tests.kernels.paged_cases import MIXED_ROWS, PagedBatch, Row, build_batch
-from tests.kernels.test_kernels_attention import assert_matches_reference
+from tests.kernels.paged_cases import MIXED_ROWS, WINDOW_ROWS, PagedBatch, Row, build_batch
+from tests.kernels.test_kernels_attention import (
+    SOFTCAP,
+    SOFTCAP_SCALE,
+    assert_matches_reference,
+    window_batch,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_OPS, COMPILED_OPS = TorchLayerOps(), CompiledLayerOps()
@@ -116,19 +121,26 @@ def test_write_kv_matches_index_put_bit_for_bit() -> None:
 PREFILL_ROWS = [Row(40, 40), Row(1, 23), Row(37, 100), Row(0, 0), Row(3, 3), Row(1, 1)]
 
 
-def _plan(batch: PagedBatch, **flags: bool) -> kernels.AttentionPlan | None:
+def _plan(
+    batch: PagedBatch, sliding_window: int | None = None, **flags: bool
+) -> kernels.AttentionPlan | None:
     return kernels.plan_attention(
         batch.block_tables, batch.query_start_loc, batch.seq_lens,
         num_tokens=batch.query.shape[0], num_blocks=batch.key_cache.shape[0],
-        block_size=batch.key_cache.shape[1], **flags,
+        block_size=batch.key_cache.shape[1], sliding_window=sliding_window, **flags,
     )  # fmt: skip
 
 
-def _compiled_and_torch(batch: PagedBatch) -> dict[bool, torch.Tensor]:
+def _compiled_and_torch(
+    batch: PagedBatch, sliding_window: int | None = None, logit_softcap: float | None = None
+) -> dict[bool, torch.Tensor]:
     results = {}
     for compiled in (False, True):
-        plan = _plan(batch, compiled=compiled)
-        results[compiled] = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan)
+        plan = _plan(batch, sliding_window, compiled=compiled)
+        results[compiled] = kernels.paged_attention(
+            *batch.args(), batch.softmax_scale, plan=plan,
+            sliding_window=sliding_window, logit_softcap=logit_softcap,
+        )  # fmt: skip
     return results
 
 
@@ -163,24 +175,79 @@ def test_attention_with_mixed_rows(block_size: int) -> None:
     torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=2e-6)
 
 
-def _per_token_plan(batch: PagedBatch) -> kernels.AttentionPlan | None:
-    return _plan(batch, compiled=True, per_token=True)
+def _per_token_plan(
+    batch: PagedBatch, sliding_window: int | None = None
+) -> kernels.AttentionPlan | None:
+    return _plan(batch, sliding_window, compiled=True, per_token=True)
+
+
+# Rows for the compiled kernel under a window: WINDOW_ROWS (decode and short chunks) and a
+# chunk of 40 queries over 100 positions (several 16-token tiles, each with its own window).
+WINDOW_PREFILL_ROWS = [*WINDOW_ROWS, Row(40, 100)]
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 64), (9, 3, 64), (6, 1, 128), (4, 2, 40)],
+    ids=["mha", "gqa3", "mqa6-d128", "gqa2-d40"],
+)
+@pytest.mark.parametrize("sliding_window", [1, 7, 8, 16, 200])
+def test_attention_in_place_with_sliding_window(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int
+) -> None:
+    """Windows of one position, inside a block, one and two blocks (edges on boundaries) and
+    longer than every context; the blocks before each row's window are poisoned and unlisted."""
+    batch = window_batch(
+        sliding_window, rows=WINDOW_PREFILL_ROWS, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim,
+    )  # fmt: skip
+    results = _compiled_and_torch(batch, sliding_window)
+    assert_matches_reference(batch, results[True], sliding_window=sliding_window)
+    torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.usefixtures("compiled_kernels")
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_per_token_attention_does_not_depend_on_the_chunk(head_dim: int) -> None:
+@pytest.mark.parametrize("sliding_window", [None, 8], ids=["causal", "window-8"])
+def test_attention_in_place_with_logit_softcap(head_dim: int, sliding_window: int | None) -> None:
+    rows = WINDOW_PREFILL_ROWS
+    batch = (
+        build_batch(rows, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=8)
+        if sliding_window is None
+        else window_batch(sliding_window, rows=rows, head_dim=head_dim)
+    )
+    batch = dataclasses.replace(batch, softmax_scale=SOFTCAP_SCALE)
+    options = {"sliding_window": sliding_window, "logit_softcap": SOFTCAP}
+    results = _compiled_and_torch(batch, **options)
+    # The compiled tanh comes from exp_approx: within 1e-7 absolutely, times the cap (4) per
+    # score; scores of ~8 also cost 8 * 2**-24 each.
+    assert_matches_reference(batch, results[True], (2e-5, 2e-5), **options)
+    torch.testing.assert_close(results[True], results[False], rtol=2e-5, atol=5e-6)
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize(
+    ("sliding_window", "logit_softcap"),
+    [(None, None), (9, None), (9, SOFTCAP)],
+    ids=["causal", "window-9", "window-9-softcap"],
+)
+def test_per_token_attention_does_not_depend_on_the_chunk(
+    head_dim: int, sliding_window: int | None, logit_softcap: float | None
+) -> None:
     """With ``per_token`` (the batch-invariant mode) each token of a prefill chunk gets the bits
     it gets as a one-query row over the same positions: the output does not depend on where
-    the scheduler cut the prompt, nor on the other rows of the step."""
+    the scheduler cut the prompt, nor on the other rows of the step (with a window too)."""
     batch = build_batch(
         [Row(37, 100), Row(1, 23), Row(16, 16)], num_q_heads=6, num_kv_heads=2,
         head_dim=head_dim, block_size=8,
     )  # fmt: skip
+    options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
     chunked = kernels.paged_attention(
-        *batch.args(), batch.softmax_scale, plan=_per_token_plan(batch)
+        *batch.args(), batch.softmax_scale, plan=_per_token_plan(batch, sliding_window), **options
     )
-    assert_matches_reference(batch, chunked)
+    assert_matches_reference(batch, chunked, (2e-5, 2e-5), **options)
     starts, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
     for row in range(len(lens)):
         q_len = starts[row + 1] - starts[row]
@@ -194,8 +261,9 @@ def test_per_token_attention_does_not_depend_on_the_chunk(head_dim: int) -> None
                 seq_lens=torch.tensor([lens[row] - q_len + t + 1], dtype=torch.int32),
             )
             out = kernels.paged_attention(
-                *alone.args(), alone.softmax_scale, plan=_per_token_plan(alone)
-            )
+                *alone.args(), alone.softmax_scale,
+                plan=_per_token_plan(alone, sliding_window), **options,
+            )  # fmt: skip
             assert torch.equal(out[0], chunked[token]), f"row {row} token {t}"
 
 
@@ -262,7 +330,7 @@ def test_bad_input_gets_a_clear_error() -> None:
 
 @pytest.mark.usefixtures("compiled_kernels")
 def test_the_model_runs_the_compiled_ops_on_cpu_float32() -> None:
-    from kvgate.gpu_executor.layer_ops import select_layer_ops
+    from kvgate.executor.layer_ops import select_layer_ops
 
     assert select_layer_ops(torch.device("cpu"), torch.float32).compiled
     assert not select_layer_ops(torch.device("cpu"), torch.bfloat16).compiled

@@ -160,6 +160,59 @@ def test_paged_attention_rejects_nan_scale(backend: str) -> None:
         kernels.paged_attention(*batch.args(), float("nan"))
 
 
+# (id, keyword arguments, exception type, message pattern)
+OPTION_CASES: list[tuple[str, dict[str, Any], type, str]] = [
+    ("window-zero", {"sliding_window": 0}, ValueError, "sliding_window must be >= 1"),
+    (
+        "window-negative",
+        {"sliding_window": -4},
+        ValueError,
+        "sliding_window must be >= 1 .*, got -4",
+    ),
+    ("window-float", {"sliding_window": 8.0}, TypeError, "sliding_window must be an int"),
+    ("window-bool", {"sliding_window": True}, TypeError, "sliding_window must be an int"),
+    ("softcap-zero", {"logit_softcap": 0.0}, ValueError, "logit_softcap must be finite and > 0"),
+    ("softcap-negative", {"logit_softcap": -50.0}, ValueError, "finite and > 0, got -50.0"),
+    ("softcap-nan", {"logit_softcap": float("nan")}, ValueError, "finite and > 0, got nan"),
+    ("softcap-inf", {"logit_softcap": float("inf")}, ValueError, "finite and > 0, got inf"),
+    ("softcap-string", {"logit_softcap": "50"}, TypeError, "logit_softcap must be a float"),
+]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "pattern"),
+    [case[1:] for case in OPTION_CASES],
+    ids=[case[0] for case in OPTION_CASES],
+)
+def test_paged_attention_rejects_options(
+    backend: str, options: dict[str, Any], error: type, pattern: str
+) -> None:
+    batch = small_batch()
+    out = torch.full(batch.query.shape, 7.0)
+    with pytest.raises(error, match=pattern):
+        kernels.paged_attention(*batch.args(), batch.softmax_scale, out=out, **options)
+    assert torch.equal(out, torch.full_like(out, 7.0))
+    if "sliding_window" in options:  # a plan is made for one window: checked there too
+        with pytest.raises(error, match=pattern):
+            kernels.plan_attention(
+                batch.block_tables, batch.query_start_loc, batch.seq_lens, num_tokens=4,
+                num_blocks=batch.key_cache.shape[0], block_size=4, **options,
+            )  # fmt: skip
+
+
+def test_block_ids_inside_the_window_are_still_checked(backend: str) -> None:
+    """Entries before a row's window are never read (any value passes); the rest are checked."""
+    batch = build_batch([Row(1, 20)], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
+    before_window = replace(batch, block_tables=_table(batch, 0, 2, -5))  # positions 8..11
+    out = kernels.paged_attention(*before_window.args(), 1.0, sliding_window=8)
+    assert not out.isnan().any()
+    inside_window = replace(batch, block_tables=_table(batch, 0, 3, -5))  # positions 12..15
+    with pytest.raises(ValueError, match="block_tables\\[0, 3\\] = -5 is outside"):
+        kernels.paged_attention(*inside_window.args(), 1.0, sliding_window=8)
+    with pytest.raises(ValueError, match="block_tables\\[0, 2\\] = -5 is outside"):
+        kernels.paged_attention(*before_window.args(), 1.0)  # full causal reads it
+
+
 def test_triton_rejects_oversized_head_dim(interpreted_triton: None) -> None:
     batch = build_batch([Row(1, 2)], num_q_heads=1, num_kv_heads=1, head_dim=320, block_size=4)
     with pytest.raises(ValueError, match="head_dim 320 exceeds"):

@@ -11,6 +11,7 @@ of a thousand positions, where accumulation error grows like sqrt(n) ulps.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tests.kernels.paged_cases import (
     Row,
     build_batch,
     dense_causal_attention,
+    forget_before_window,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_triton")]
@@ -39,10 +41,18 @@ DTYPE_IDS = ["fp32", "fp16", "bf16"]
 GPU_ROWS = [*MIXED_ROWS, Row(1, 1000), Row(130, 700), Row(257, 257), Row(1, 4097)]
 
 
-def check(batch_cpu: PagedBatch, out: torch.Tensor) -> None:
+def check(
+    batch_cpu: PagedBatch,
+    out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> None:
     # The dense attention is the reference's vectorized twin (test_kernels_reference.py shows
     # they agree to 1e-12) and is fast enough for thousands of positions.
-    expected = dense_causal_attention(batch_cpu)
+    expected = dense_causal_attention(
+        batch_cpu, sliding_window=sliding_window, logit_softcap=logit_softcap
+    )
     atol, rtol = TOLERANCES[batch_cpu.query.dtype]
     assert out.is_cuda and out.dtype == batch_cpu.query.dtype
     assert not torch.isnan(out).any()
@@ -114,6 +124,36 @@ def test_prefill_configs(config: triton_attention.AttentionConfig) -> None:
         *batch.to("cuda").args(), batch.softmax_scale, config=config
     )
     check(batch, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    ("sliding_window", "logit_softcap"),
+    [(1, None), (100, None), (1024, None), (None, 5.0), (100, 5.0)],
+    ids=["window-1", "window-100", "window-1024", "softcap", "window-100-softcap"],
+)
+def test_sliding_window_and_softcap(
+    dtype: torch.dtype, sliding_window: int | None, logit_softcap: float | None
+) -> None:
+    """Windows of one position, inside a block, and of many blocks over contexts up to 4097,
+    the positions before each row's window poisoned and unlisted (never read); the soft-cap at
+    a scale where it bends most scores."""
+    batch = build_batch(
+        GPU_ROWS, num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, dtype=dtype
+    )
+    if sliding_window is not None:
+        batch = forget_before_window(batch, sliding_window)
+    if logit_softcap is not None:
+        batch = replace(batch, softmax_scale=0.5)
+    options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
+    out = kernels.paged_attention(*batch.to("cuda").args(), batch.softmax_scale, **options)
+    check(batch, out, **options)
+    for num_splits in (1, 5):  # the split walk starts at the window's first tile too
+        config = triton_attention.AttentionConfig(64, 32, num_splits, num_warps=4, num_stages=2)
+        out = triton_attention.paged_attention_triton(
+            *batch.to("cuda").args(), batch.softmax_scale, config=config, **options
+        )
+        check(batch, out, **options)
 
 
 def test_cache_ops_match_torch_on_gpu() -> None:

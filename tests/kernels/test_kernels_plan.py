@@ -16,7 +16,7 @@ from tests.kernels.paged_cases import MIXED_ROWS, PagedBatch, Row, build_batch
 from tests.kernels.test_kernels_attention import assert_matches_reference
 
 
-def _plan(batch: PagedBatch) -> kernels.AttentionPlan | None:
+def _plan(batch: PagedBatch, sliding_window: int | None = None) -> kernels.AttentionPlan | None:
     return kernels.plan_attention(
         batch.block_tables,
         batch.query_start_loc,
@@ -24,6 +24,7 @@ def _plan(batch: PagedBatch) -> kernels.AttentionPlan | None:
         num_tokens=batch.query.shape[0],
         num_blocks=batch.key_cache.shape[0],
         block_size=batch.key_cache.shape[1],
+        sliding_window=sliding_window,
     )
 
 
@@ -80,6 +81,22 @@ def test_plan_must_fit_the_cache(torch_backend: None) -> None:
             batch.seq_lens, batch.softmax_scale, out=out, plan=plan,
         )  # fmt: skip
     assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+def test_plan_is_made_for_one_window(torch_backend: None) -> None:
+    """Layers with a sliding window and global layers need a plan each: a plan used with
+    another window than its own would read the wrong positions, so it is refused."""
+    batch = build_batch(MIXED_ROWS, num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
+    plans = {window: _plan(batch, sliding_window=window) for window in (None, 8)}
+    for window, plan in plans.items():
+        out = kernels.paged_attention(
+            *batch.args(), batch.softmax_scale, plan=plan, sliding_window=window
+        )
+        assert_matches_reference(batch, out, sliding_window=window)
+    with pytest.raises(ValueError, match="made for sliding_window=None, the call asks for 8"):
+        kernels.paged_attention(*batch.args(), 1.0, plan=plans[None], sliding_window=8)
+    with pytest.raises(ValueError, match="made for sliding_window=8, the call asks for None"):
+        kernels.paged_attention(*batch.args(), 1.0, plan=plans[8])
 
 
 def test_plan_checks_metadata_values(torch_backend: None) -> None:

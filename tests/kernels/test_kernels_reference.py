@@ -9,18 +9,26 @@ direct slot arithmetic.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from kvgate.kernels.reference import (
+from tests.kernels.paged_cases import (
+    MIXED_ROWS,
+    WINDOW_ROWS,
+    Row,
+    build_batch,
+    dense_causal_attention,
+    forget_before_window,
+)
+from tests.kernels.reference import (
     copy_slots_reference,
     gather_blocks_reference,
     paged_attention_reference,
     scatter_blocks_reference,
     write_kv_reference,
 )
-from tests.kernels.paged_cases import MIXED_ROWS, Row, build_batch, dense_causal_attention
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -76,6 +84,40 @@ def test_dense_check_catches_a_wrong_causal_alignment() -> None:
     scores = (q @ k.transpose(1, 2) * batch.softmax_scale).masked_fill(~top_left, float("-inf"))
     wrong = (scores.softmax(-1) @ v).transpose(0, 1)
     assert not torch.allclose(wrong, dense_causal_attention(batch), atol=1e-3)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 3, 8, 13, 100])
+@pytest.mark.parametrize("logit_softcap", [None, 2.5])
+def test_window_and_softcap_reference_equals_dense(
+    sliding_window: int, logit_softcap: float | None
+) -> None:
+    """The reference reads only each query's window (the blocks before it are poisoned) and
+    agrees with the dense band mask; 100 is longer than every context (full causal)."""
+    batch = build_batch(
+        WINDOW_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+        dtype=torch.float64, seed=sliding_window,
+    )  # fmt: skip
+    options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
+    paged = paged_attention_reference(
+        *forget_before_window(batch, sliding_window).args(), 2.0, **options
+    )
+    dense = dense_causal_attention(replace(batch, softmax_scale=2.0), **options)
+    torch.testing.assert_close(paged, dense, atol=1e-12, rtol=1e-12)
+    assert not paged.isnan().any()
+
+
+def test_window_and_softcap_change_the_answer() -> None:
+    """Each option is sharp: the window one position off, or the cap dropped, moves outputs
+    by far more than any kernel tolerance (so kernel tests against the reference can fail)."""
+    batch = build_batch(
+        WINDOW_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float64
+    )
+    at = {w: paged_attention_reference(*batch.args(), 1.0, sliding_window=w) for w in (7, 8, 9)}
+    assert (at[8] - at[7]).abs().amax() > 1e-2 and (at[8] - at[9]).abs().amax() > 1e-2
+    full = paged_attention_reference(*batch.args(), 1.0)
+    assert torch.equal(paged_attention_reference(*batch.args(), 1.0, sliding_window=61), full)
+    capped = paged_attention_reference(*batch.args(), 1.0, logit_softcap=2.0)
+    assert (capped - full).abs().amax() > 1e-1
 
 
 def test_write_kv_reference() -> None:

@@ -13,8 +13,14 @@ import torch
 
 from kvgate import kernels
 from kvgate.kernels import torch_attention, torch_decode
-from tests.kernels.paged_cases import MIXED_ROWS, PagedBatch, Row, build_batch
-from tests.kernels.test_kernels_attention import assert_matches_reference
+from tests.kernels.paged_cases import (
+    MIXED_ROWS,
+    PagedBatch,
+    Row,
+    build_batch,
+    forget_before_window,
+)
+from tests.kernels.test_kernels_attention import SOFTCAP, assert_matches_reference
 
 # Decode rows of unequal lengths (one group with a mask) next to a prefill chunk and padding.
 DECODE_ROWS = [Row(1, 23), Row(1, 20), Row(0, 0), Row(4, 9), Row(1, 17), Row(2, 0), Row(1, 23)]
@@ -105,3 +111,47 @@ def test_mixed_rows_fp32_use_the_direct_read(torch_backend: None, counting: Coun
     batch = build_batch(MIXED_ROWS, num_q_heads=8, num_kv_heads=2, head_dim=80, block_size=16)
     assert_matches_reference(batch, kernels.paged_attention(*batch.args(), batch.softmax_scale))
     assert counting.calls >= 1
+
+
+# Decode rows longer than, equal to and shorter than a window of 9 (blocks of 4: the edge falls
+# inside a block), next to a prefill chunk and padding.
+WINDOW_DECODE_ROWS = [Row(1, 40), Row(1, 9), Row(0, 0), Row(4, 30), Row(1, 5), Row(1, 23)]
+
+
+@pytest.mark.parametrize("logit_softcap", [None, SOFTCAP], ids=["causal", "softcap"])
+@pytest.mark.parametrize("layout", ["packed-fp32", "unpacked-fp32", "fp16"])
+def test_decode_rows_read_only_their_window(
+    torch_backend: None, counting: CountingDecode, layout: str, logit_softcap: float | None
+) -> None:
+    """In place (packed float32) and by copy (other caches): each row reads its last 9
+    positions, from the first visible one (the blocks before it are poisoned and unlisted)."""
+    dtype = torch.float16 if layout == "fp16" else torch.float32
+    batch = build_batch(
+        WINDOW_DECODE_ROWS, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4, dtype=dtype
+    )
+    batch = replace(forget_before_window(batch, 9), softmax_scale=1.0)
+    if layout == "unpacked-fp32":
+        batch = _unpacked(batch)
+        assert batch.key_cache.stride(2) == 80
+    out = kernels.paged_attention(
+        *batch.args(), batch.softmax_scale, sliding_window=9, logit_softcap=logit_softcap
+    )
+    assert counting.calls == (1 if layout == "packed-fp32" else 0)
+    tolerance = (5e-3, 5e-3) if dtype == torch.float16 else (2e-5, 2e-5)
+    assert_matches_reference(batch, out, tolerance, sliding_window=9, logit_softcap=logit_softcap)
+
+
+def test_window_groups_pad_to_the_window(torch_backend: None) -> None:
+    """A decode group is as wide as its widest row's window, not its longest context."""
+    batch = build_batch(
+        [Row(1, 300), Row(1, 250), Row(1, 3)], num_q_heads=2, num_kv_heads=1, head_dim=64,
+        block_size=8,
+    )  # fmt: skip
+    plan = kernels.plan_attention(
+        batch.block_tables, batch.query_start_loc, batch.seq_lens, num_tokens=3,
+        num_blocks=batch.key_cache.shape[0], block_size=8, sliding_window=16,
+    )  # fmt: skip
+    assert isinstance(plan, kernels.AttentionPlan)
+    assert [tuple(g.slots.block_ids.shape) for g in plan.decode_groups] == [(3, 16)]
+    out = kernels.paged_attention(*batch.args(), batch.softmax_scale, plan=plan, sliding_window=16)
+    assert_matches_reference(batch, out, sliding_window=16)

@@ -24,14 +24,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvgate.gpu_executor.gguf_checkpoint import (
+from kvgate.executor.gguf_checkpoint import (
     CONVERTED_MARKER,
     cache_root,
     cached_conversion,
     file_digest,
 )
-from kvgate.gpu_executor.loader import LoadedModel, load_model
-from kvgate.gpu_executor.packaged import INSTALL_HINT, packaged_gguf
+from kvgate.executor.loader import LoadedModel, load_model
+from kvgate.executor.packaged import INSTALL_HINT, packaged_gguf
 
 torch.set_num_threads(2)
 

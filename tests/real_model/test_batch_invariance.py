@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.layer_ops import TorchLayerOps, prepare_cpu_kernels
-from kvgate.gpu_executor.linear import LinearBackend
-from kvgate.gpu_executor.loader import LoadedModel, load_model
-from kvgate.gpu_executor.model import Model
+from kvgate.executor.executor import Executor
+from kvgate.executor.layer_ops import TorchLayerOps, prepare_cpu_kernels
+from kvgate.executor.linear import LinearBackend
+from kvgate.executor.loader import LoadedModel, load_model
+from kvgate.executor.model import Model
 from kvgate.protocol import step as wire
-from tests.gpu_executor.driver import Driver, DriverConfig
+from tests.executor.driver import Driver, DriverConfig
 
 WATCHED = ("greedy", "sampled")
 PROMPTS = {

@@ -14,12 +14,14 @@ from tokenizers import Tokenizer
 
 from kvgate.admission_service.tokenizer import FileTokenizer
 from kvgate.cli import main
-from kvgate.gpu_executor.config import CheckpointError
-from kvgate.gpu_executor.loader import load_model
-from kvgate.gpu_executor.packaged import PACKAGED_MODEL_REF, packaged_gguf, resolve_model_ref
-from kvgate.gpu_executor.reference import reference_generate
-from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+from kvgate.executor.config import CheckpointError
+from kvgate.executor.loader import load_model
+from kvgate.executor.packaged import PACKAGED_MODEL_REF, packaged_gguf, resolve_model_ref
+from kvgate.executor.quantized import QuantizedWeight, Weight
+from kvgate.executor.reference import reference_generate
+from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol import step as wire
+from kvgate.protocol.enums import DType
 from tests.real_model.gguf_writer import CHAT_TEMPLATE, hf_tensors, stored, write_llama_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -37,39 +39,49 @@ def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tied"), spec)
 
 
+def _float(weight: Weight) -> torch.Tensor:
+    """A weight as floats: quantized blocks (kept as stored) dequantized."""
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+
+
 def _layer_tensor(loaded_model: object, name: str) -> torch.Tensor:
     """One HF-named tensor back out of the fused executor weights."""
     weights = loaded_model.weights  # type: ignore[attr-defined]
     config = loaded_model.config  # type: ignore[attr-defined]
     if name == "model.embed_tokens.weight":
-        return weights.embed
+        return _float(weights.embed)
     if name == "lm_head.weight":
-        return weights.lm_head
+        return _float(weights.lm_head)
     if name == "model.norm.weight":
-        return weights.norm
+        return weights.norm  # type: ignore[no-any-return]
     layer = weights.layers[int(name.split(".")[2])]
     q_dim = config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
+    qkv, gate_up = _float(layer.qkv_proj), _float(layer.mlp.gate_up_proj)
     parts = {
-        "q_proj": layer.qkv_proj[:q_dim],
-        "k_proj": layer.qkv_proj[q_dim : q_dim + kv_dim],
-        "v_proj": layer.qkv_proj[q_dim + kv_dim :],
-        "o_proj": layer.o_proj,
-        "gate_proj": layer.gate_up_proj[: config.intermediate_size],
-        "up_proj": layer.gate_up_proj[config.intermediate_size :],
-        "down_proj": layer.down_proj,
-        "input_layernorm": layer.input_norm,
-        "post_attention_layernorm": layer.post_attention_norm,
+        "q_proj": qkv[:q_dim],
+        "k_proj": qkv[q_dim : q_dim + kv_dim],
+        "v_proj": qkv[q_dim + kv_dim :],
+        "o_proj": _float(layer.o_proj),
+        "gate_proj": gate_up[: config.intermediate_size],
+        "up_proj": gate_up[config.intermediate_size :],
+        "down_proj": _float(layer.mlp.down_proj),
+        "input_layernorm": layer.norms["attention_in"],
+        "post_attention_layernorm": layer.norms["mlp_in"],
     }
     return parts[name.split(".")[-2]]  # type: ignore[no-any-return]
 
 
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
 @pytest.mark.parametrize("kind", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_every_storage_type_loads_as_the_stored_values(
-    tiny_dir: Path, tmp_path: Path, kind: Q
+    tiny_dir: Path, tmp_path: Path, kind: Q, dtype: str
 ) -> None:
+    """auto keeps the blocks (they dequantize to the stored values); float32 dequantizes."""
     path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir, kind=kind)
-    loaded = load_model(path)
+    loaded = load_model(path, dtype=DType(dtype) if dtype != "auto" else "auto")
+    quantized = isinstance(loaded.model.weights.layers[0].o_proj, QuantizedWeight)
+    assert quantized == (dtype == "auto" and kind not in (Q.F32, Q.F16))
     for name, original in hf_tensors(tiny_dir).items():
         values = original.float().numpy()
         expected = stored(values, kind) if values.ndim == 2 and kind != Q.F32 else values
@@ -128,7 +140,7 @@ def test_convert_writes_a_directory_kvgate_and_transformers_load(
     assert tokenizer_config["chat_template"] == CHAT_TEMPLATE
     assert tokenizer_config["eos_token"] == "<|eos|>"
     converted = load_model(out)
-    direct = load_model(path)
+    direct = load_model(path, dtype=DType.FLOAT32)  # the float32 path the conversion wrote
     assert torch.equal(converted.model.weights.embed, direct.model.weights.embed)
     assert main(["convert", str(path), str(out)]) == 2  # never overwrites
 
@@ -143,15 +155,34 @@ def test_convert_writes_a_directory_kvgate_and_transformers_load(
     assert text == "<|bos|>user\nhi<|eos|>\n<|bos|>assistant\n"
 
 
+def test_convert_quantized_keeps_the_file_and_the_executor_its_blocks(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """``--dtype quantized`` (what ``kvgate run`` serves by default): the directory holds the
+    GGUF file itself; the executor keeps its blocks, or dequantizes under ``float32``."""
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir, kind=Q.Q8_0)
+    out = tmp_path / "converted"
+    assert main(["convert", str(path), str(out), "--dtype", "quantized"]) == 0
+    assert (out / "model.gguf").read_bytes() == path.read_bytes()
+    assert not (out / "model.safetensors").exists()
+    assert (out / "tokenizer.json").is_file()
+    served = load_model(out)
+    o_proj = served.model.weights.layers[0].o_proj
+    assert isinstance(o_proj, QuantizedWeight) and o_proj.formats == ("Q8_0",)
+    dequantized = load_model(out, dtype=DType.FLOAT32)
+    assert torch.equal(o_proj.dequantize(), dequantized.model.weights.layers[0].o_proj)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (
-            {"architecture": "qwen3"},
-            "GGUF architecture 'qwen3' is not supported (supported: llama)",
+            {"architecture": "granite"},
+            "GGUF architecture 'granite' is not supported (supported: llama, qwen2, qwen3, gemma2, "
+            "gemma3, phi3)",
         ),
         ({"override_kind": {"blk.0.attn_q.weight": Q.I32}}, "blk.0.attn_q.weight is stored as I32"),
-        ({"tokenizer_model": "llama"}, "tokenizer.ggml.model 'llama' is not supported"),
+        ({"tokenizer_model": "bert"}, "tokenizer.ggml.model 'bert' is not supported"),
     ],
 )
 def test_what_cannot_be_served_fails_in_one_line(
@@ -175,10 +206,10 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
 def test_sim_runs_the_real_executor_on_a_gguf_file(tiny_dir: Path, tmp_path: Path) -> None:
     """``kvgate sim --executor real --model FILE.gguf``: scheduler and executor under pressure,
     outputs equal to the unpaged reference."""
-    from kvgate.admission_service.scheduler.config import Mode, PreemptionMode
+    from kvgate.scheduler.config import Mode, PreemptionMode
     from kvgate.sim.real import simulate_real
     from kvgate.sim.workload import CacheSection, ExitMode
-    from tests.gpu_executor.test_sim_real import _workload
+    from tests.executor.test_sim_real import _workload
 
     path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir, kind=Q.Q8_0)
     workload = _workload(PreemptionMode.AUTO, Mode.MIXED, False, ExitMode.FIXED, True)
@@ -218,7 +249,7 @@ def test_the_executor_process_serves_a_gguf_file(tiny_dir: Path, tmp_path: Path)
     import signal
     import subprocess
 
-    from tests.gpu_executor.test_executor_cli import _command, _env, _free_port, _serve_one_plan
+    from tests.executor.test_executor_cli import _command, _env, _free_port, _serve_one_plan
 
     path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_dir)
     port = _free_port()

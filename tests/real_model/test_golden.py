@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.loader import LoadedModel, load_model
-from kvgate.gpu_executor.reference import reference_logits
+from kvgate.executor.executor import Executor
+from kvgate.executor.loader import LoadedModel, load_model
+from kvgate.executor.reference import reference_logits
 from kvgate.protocol import step as wire
-from tests.gpu_executor.driver import Driver, DriverConfig
+from kvgate.protocol.enums import DType
+from tests.executor.driver import Driver, DriverConfig
 
 EOS = 2
 MAX_TOKENS = 8
@@ -166,13 +167,13 @@ def test_conversion_equals_transformers_reading_of_the_gguf_file(
 def test_the_gguf_file_loads_directly_with_the_converted_weights(
     smollm2_gguf: Path, kvgate_smollm2: LoadedModel
 ) -> None:
-    direct = load_model(smollm2_gguf)
+    direct = load_model(smollm2_gguf, dtype=DType.FLOAT32)  # dequantized, as converted
     assert direct.model.config == kvgate_smollm2.model.config
     for ours, converted in zip(
         direct.model.weights.layers, kvgate_smollm2.model.weights.layers, strict=True
     ):
         assert torch.equal(ours.qkv_proj, converted.qkv_proj)
-        assert torch.equal(ours.down_proj, converted.down_proj)
+        assert torch.equal(ours.mlp.down_proj, converted.mlp.down_proj)
     assert torch.equal(direct.model.weights.embed, kvgate_smollm2.model.weights.embed)
     assert direct.tokenizer is not None
     assert direct.tokenizer.encode("Hello, world 42!") == [19556, 28, 905, 216, 36, 34, 17]

@@ -1,7 +1,8 @@
-"""``kvgate run --smollm2 --gateway --batch-invariant`` through the official ``openai`` client: a
-completion's text, token logprobs and alternatives are the same bits when it is the only request
-and when it is sent among others at once (sharing steps with them, its prompt chunked beside
-theirs). Without ``--batch-invariant`` the logprobs of the two differ in their last bits."""
+"""``kvgate run --batch-invariant`` (SmolLM2 and the OpenAI API, the defaults) through the
+official ``openai`` client: a completion's text, token logprobs and alternatives are the same
+bits when it is the only request and when it is sent among others at once (sharing steps with
+them, its prompt chunked beside theirs). Without ``--batch-invariant`` the logprobs of the two
+differ in their last bits."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ OTHERS = [
 def invariant_client(
     smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OpenAI]:
-    with running(tmp_path_factory.mktemp("run-invariant"), "--batch-invariant") as served:
+    with running(tmp_path_factory.mktemp("run-invariant"), "--batch-invariant") as (_, served):
         yield served
 
 

@@ -3,10 +3,10 @@ without the move (greedy), and its layout names the real model's geometry."""
 
 from __future__ import annotations
 
-from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.loader import LoadedModel
+from kvgate.executor.executor import Executor
+from kvgate.executor.loader import LoadedModel
 from kvgate.protocol import step as wire
-from tests.gpu_executor.test_executor_migration import TICKET, Driver, _move, _request, _tables
+from tests.executor.test_executor_migration import TICKET, Driver, _move, _request, _tables
 
 
 def test_smollm2_moved_mid_decode_keeps_its_greedy_tokens(kvgate_smollm2: LoadedModel) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from kvgate.admission_service.tokenizer import load_tokenizer as load_service_tokenizer
-from kvgate.gpu_executor.gguf_file import GgufFile
-from kvgate.gpu_executor.gguf_tokenizer import build_tokenizer
-from kvgate.gpu_executor.tokenizer import TextTokenizer
+from kvgate.executor.gguf_file import GgufFile
+from kvgate.executor.gguf_tokenizer import build_tokenizer
+from kvgate.executor.tokenizer import TextTokenizer
 
 CORPUS = [
     "Hello, world!",

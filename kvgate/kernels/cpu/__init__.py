@@ -6,7 +6,7 @@ kernels as ``torch.ops.kvgate_cpu.*``; a second process finds the built library 
 it (``torch.utils.cpp_extension`` keeps a lock file while it builds, so concurrent processes
 wait for one build). Where the machine cannot build it (no C++ compiler, no ninja, a failing
 compile), ``load`` says why and every caller keeps the pure-torch path, which computes the same
-thing (``TorchLayerOps`` in ``kvgate.gpu_executor.layer_ops``, ``torch_ops``, ``torch_attention``).
+thing (``TorchLayerOps`` in ``kvgate.executor.layer_ops``, ``torch_ops``, ``torch_attention``).
 
 The library is compiled for this CPU (``-march=native``): the build directory's name carries a
 digest of the source, the flags, torch's version and the CPU's feature flags, so a cache shared
@@ -63,13 +63,13 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_name() -> str:
+def build_name(source: Path = SOURCE, prefix: str = "kvgate_cpu") -> str:
     """The library's name: changes with the source, the flags, torch and the CPU."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode()):
         digest.update(part)
     digest.update(_cpu_flags().encode())
-    return f"kvgate_cpu_{digest.hexdigest()[:16]}"
+    return f"{prefix}_{digest.hexdigest()[:16]}"
 
 
 def _ninja_on_path() -> bool:
@@ -89,19 +89,30 @@ def load(build_root: Path) -> LoadResult:
 
     Safe to call again: an already loaded library is not loaded twice.
     """
-    choice = os.environ.get(DISABLE_ENV, "").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise ValueError(f"{DISABLE_ENV}={choice!r}: expected one of {', '.join(_CHOICES)}")
-    if choice == "torch":
+    if disabled():
         return LoadResult(False, f"{DISABLE_ENV}=torch")
     if loaded():
         return LoadResult(True, "already loaded")
+    return build_library(SOURCE, "kvgate_cpu", build_root)
+
+
+def disabled() -> bool:
+    """Whether ``KVGATE_CPU_KERNELS=torch`` keeps every compiled CPU kernel out."""
+    choice = os.environ.get(DISABLE_ENV, "").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"{DISABLE_ENV}={choice!r}: expected one of {', '.join(_CHOICES)}")
+    return choice == "torch"
+
+
+def build_library(source: Path, prefix: str, build_root: Path) -> LoadResult:
+    """Compile ``source`` (once per machine) under ``build_root`` and load it into torch.ops;
+    a LoadResult saying why not where a tool is missing or the compile fails."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return LoadResult(False, f"no C++ compiler ({compiler!r} not on PATH)")
     if not _ninja_on_path():
         return LoadResult(False, "no ninja (neither on PATH nor the ninja package)")
-    name = build_name()
+    name = build_name(source, prefix)
     directory = build_root / name
     directory.mkdir(parents=True, exist_ok=True)
     from torch.utils import cpp_extension  # noqa: PLC0415  (imports setuptools: only when used)
@@ -109,7 +120,7 @@ def load(build_root: Path) -> LoadResult:
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=list(FLAGS),
             build_directory=str(directory),
             is_python_module=False,
@@ -121,4 +132,4 @@ def load(build_root: Path) -> LoadResult:
     return LoadResult(True, f"{directory}")
 
 
-__all__ = ["DISABLE_ENV", "LoadResult", "build_name", "load", "loaded"]
+__all__ = ["DISABLE_ENV", "LoadResult", "build_library", "build_name", "disabled", "load", "loaded"]

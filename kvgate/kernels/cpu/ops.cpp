@@ -5,7 +5,7 @@
 // -march=native -ffp-contract=off: no fused multiply-adds unless written as such, so an
 // element-wise formula rounds exactly as the torch expression it replaces). The torch
 // expressions they replace are the specification: TorchLayerOps in
-// kvgate/gpu_executor/layer_ops.py (norms, SiLU, RoPE), write_kv_torch in
+// kvgate/executor/layer_ops.py (norms, SiLU, RoPE), write_kv_torch in
 // kvgate/kernels/torch_ops.py, the decode and prefill paths of torch_attention.py;
 // tests/kernels/test_kernels_cpu.py compares each kernel with them. Attention has AVX-512 forms
 // (explicit multiply-adds, vectors summed as trees) for head dimensions 64 and 128 where the
@@ -21,7 +21,8 @@
 //                   (strided in dim 0); slots int64 [n] (negative: skipped)
 //   paged_attention query [T, Hq, D]; key_cache, value_cache as above; block_tables int32 [R, W];
 //                   query_start_loc int32 [R + 1]; seq_lens int32 [R]; rows int64 [m] (rows
-//                   with at least one query); out [T, Hq, D]: the listed rows' tokens written
+//                   with at least one query); out [T, Hq, D]: the listed rows' tokens written;
+//                   sliding_window, logit_softcap: optional (kvgate.kernels.paged_attention)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -74,6 +76,29 @@ inline float exp_approx(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   return y * __builtin_bit_cast(float, bits);
 }
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1) from exp_approx: within about 1e-7 of tanh absolutely (the
+// error of exp near 1), in (-1, 1) everywhere (exp_approx's clamp keeps exp(2x) finite and
+// non-zero), and vectorized like exp_approx.
+inline float tanh_approx(float x) { return 1.0f - 2.0f / (exp_approx(2.0f * x) + 1.0f); }
+
+// The optional parts of paged_attention's scores (kvgate.kernels.paged_attention): which
+// positions the query at position p sees, and the soft-cap of each score.
+struct ScoreRules {
+  std::optional<int64_t> window;  // positions k with p - window < k <= p; none: 0 <= k <= p
+  std::optional<float> cap;       // s -> cap * tanh(s / cap) before the softmax; none: s
+
+  int64_t first_visible(int64_t p) const {
+    return window ? std::max<int64_t>(0, p - *window + 1) : 0;
+  }
+
+  void cap_scores(float* s, int64_t n) const {
+    if (!cap) return;
+    const float c = *cap;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) s[i] = c * tanh_approx(s[i] / c);
+  }
+};
 
 void check_float_rows(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -248,22 +273,25 @@ inline void prefetch_run(const float* at, int64_t floats) {
 }
 
 // One query token (a decode row, or one token of a prefill chunk), all its query heads over
-// positions [0, len). Each position's K vectors (every KV head's, contiguous in the cache) are
-// read once, scored against the query heads of each KV head's group; then a softmax per query
-// head; then V read the same way into the weighted sums.
+// positions [first, len) (first > 0 under a sliding window: earlier positions are never read).
+// Each position's K vectors (every KV head's, contiguous in the cache) are read once, scored
+// against the query heads of each KV head's group; then the soft-cap (if any) and a softmax per
+// query head; then V read the same way into the weighted sums.
 // Per query head the arithmetic and its order are those of one head at a time (the dot product
 // over the head dimension, the softmax over positions, the sum over positions in order).
 // kD: the head dimension when known at compile time (fully unrolled dot products), else 0.
 template <int64_t kD>
 void attend_token(const float* q, int64_t q_head_stride, const float* kc, const float* vc,
                   int64_t cs0, int64_t cs1, int64_t cs2, const int32_t* table,
-                  int64_t block_size, int64_t len, int64_t kv_heads, int64_t group,
-                  int64_t head_dim, float scale, float* out, int64_t out_head_stride,
-                  std::vector<float>& scores, std::vector<float>& scaled_q) {
+                  int64_t block_size, int64_t first, int64_t len, int64_t kv_heads,
+                  int64_t group, int64_t head_dim, float scale, const ScoreRules& rules,
+                  float* out, int64_t out_head_stride, std::vector<float>& scores,
+                  std::vector<float>& scaled_q) {
   const int64_t d = kD ? kD : head_dim;
   const int64_t q_heads = kv_heads * group;
   const int64_t run = (kv_heads - 1) * cs2 + d;  // floats of one position, all KV heads
-  scores.resize(q_heads * len);
+  const int64_t n = len - first;                 // scores[h * n + i]: position first + i
+  scores.resize(q_heads * n);
   scaled_q.resize(q_heads * d);
   for (int64_t h = 0; h < q_heads; ++h) {
 #pragma omp simd
@@ -272,7 +300,7 @@ void attend_token(const float* q, int64_t q_head_stride, const float* kc, const 
   auto position = [&](const float* cache, int64_t p) {
     return cache + table[p / block_size] * cs0 + (p % block_size) * cs1;
   };
-  for (int64_t p = 0; p < len; ++p) {
+  for (int64_t p = first; p < len; ++p) {
     if (p + kPrefetchPositions < len) prefetch_run(position(kc, p + kPrefetchPositions), run);
     const float* k = position(kc, p);
     for (int64_t g = 0; g < kv_heads; ++g) {
@@ -283,35 +311,36 @@ void attend_token(const float* q, int64_t q_head_stride, const float* kc, const 
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t i = 0; i < d; ++i) dot += qh[i] * kg[i];
-        scores[h * len + p] = dot;
+        scores[h * n + (p - first)] = dot;
       }
     }
   }
   for (int64_t h = 0; h < q_heads; ++h) {
-    float* s = scores.data() + h * len;
+    float* s = scores.data() + h * n;
+    rules.cap_scores(s, n);
     float top = s[0];
 #pragma omp simd reduction(max : top)
-    for (int64_t p = 1; p < len; ++p) top = s[p] > top ? s[p] : top;
+    for (int64_t i = 1; i < n; ++i) top = s[i] > top ? s[i] : top;
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t p = 0; p < len; ++p) {
-      s[p] = exp_approx(s[p] - top);
-      total += s[p];
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = exp_approx(s[i] - top);
+      total += s[i];
     }
     const float inv = 1.0f / total;
 #pragma omp simd
-    for (int64_t p = 0; p < len; ++p) s[p] *= inv;
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
     float* o = out + h * out_head_stride;
     std::fill(o, o + d, 0.0f);
   }
-  for (int64_t p = 0; p < len; ++p) {
+  for (int64_t p = first; p < len; ++p) {
     if (p + kPrefetchPositions < len) prefetch_run(position(vc, p + kPrefetchPositions), run);
     const float* v = position(vc, p);
     for (int64_t g = 0; g < kv_heads; ++g) {
       const float* vg = v + g * cs2;
       for (int64_t j = 0; j < group; ++j) {
         const int64_t h = g * group + j;
-        const float w = scores[h * len + p];
+        const float w = scores[h * n + (p - first)];
         float* o = out + h * out_head_stride;
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) o[i] += w * vg[i];
@@ -397,21 +426,22 @@ inline __m512 sum_lanes16(const __m512* v) {
 template <int64_t kC>
 void attend_token_avx512(const float* q, int64_t q_head_stride, const float* kc,
                          const float* vc, int64_t cs0, int64_t cs1, int64_t cs2,
-                         const int32_t* table, int64_t block_size, int64_t len,
-                         int64_t kv_heads, int64_t group, float scale, float* out,
-                         int64_t out_head_stride, std::vector<float>& scores,
+                         const int32_t* table, int64_t block_size, int64_t first, int64_t len,
+                         int64_t kv_heads, int64_t group, float scale, const ScoreRules& rules,
+                         float* out, int64_t out_head_stride, std::vector<float>& scores,
                          std::vector<float>& lanes) {
   constexpr int64_t d = 16 * kC;
   const int64_t q_heads = kv_heads * group;
   const int64_t run = (kv_heads - 1) * cs2 + d;
-  const int64_t padded = (len + 15) / 16 * 16;
+  const int64_t n = len - first;  // scores[h * padded + i]: position first + i
+  const int64_t padded = (n + 15) / 16 * 16;
   scores.resize(q_heads * padded);
   lanes.resize(q_heads * 16 * 16);  // per query head, 16 positions' vectors of partial sums
   auto position = [&](const float* cache, int64_t p) {
     return cache + table[p / block_size] * cs0 + (p % block_size) * cs1;
   };
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t p0 = 0; p0 < len; p0 += 16) {
+  for (int64_t p0 = first; p0 < len; p0 += 16) {
     const int64_t count = std::min<int64_t>(16, len - p0);
     for (int64_t i = 0; i < 16; ++i) {
       const int64_t p = p0 + i;
@@ -440,15 +470,16 @@ void attend_token_avx512(const float* q, int64_t q_head_stride, const float* kc,
     for (int64_t h = 0; h < q_heads; ++h) {
       __m512 v[16];
       for (int64_t i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(lanes.data() + (h * 16 + i) * 16);
-      _mm512_storeu_ps(scores.data() + h * padded + p0, sum_lanes16(v));
+      _mm512_storeu_ps(scores.data() + h * padded + (p0 - first), sum_lanes16(v));
     }
   }
   for (int64_t h = 0; h < q_heads; ++h) {
-    softmax_avx512(scores.data() + h * padded, len);
+    rules.cap_scores(scores.data() + h * padded, n);
+    softmax_avx512(scores.data() + h * padded, n);
     float* o = out + h * out_head_stride;
     for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_setzero_ps());
   }
-  for (int64_t p = 0; p < len; ++p) {
+  for (int64_t p = first; p < len; ++p) {
     if (p + kPrefetchPositions < len) prefetch_run(position(vc, p + kPrefetchPositions), run);
     const float* v = position(vc, p);
     for (int64_t g = 0; g < kv_heads; ++g) {
@@ -456,7 +487,7 @@ void attend_token_avx512(const float* q, int64_t q_head_stride, const float* kc,
       for (int64_t c = 0; c < kC; ++c) vv[c] = _mm512_loadu_ps(v + g * cs2 + 16 * c);
       for (int64_t j = 0; j < group; ++j) {
         const int64_t h = g * group + j;
-        const __m512 w = _mm512_set1_ps(scores[h * padded + p]);
+        const __m512 w = _mm512_set1_ps(scores[h * padded + (p - first)]);
         float* o = out + h * out_head_stride;
         for (int64_t c = 0; c < kC; ++c) {
           _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(w, vv[c], _mm512_loadu_ps(o + 16 * c)));
@@ -470,18 +501,29 @@ void attend_token_avx512(const float* q, int64_t q_head_stride, const float* kc,
 // attend_token_avx512 for rows with many queries. The head's K vectors of the positions the
 // tokens see are transposed once into 16-position panels (dimension-major), so that a tile of 16
 // tokens is scored against 16 positions by multiply-adds of one panel row with each token's
-// broadcast query element (no horizontal sums); softmax per token over the positions it sees
-// (causal: token t of the row, at position first + t, sees [0, first + t]); then the weighted
-// sums of V, 16 tokens per V vector read. Positions past the tile's last visible one are never
-// read, so unwritten cache slots (any bits) do not reach the output.
+// broadcast query element (no horizontal sums); soft-cap and softmax per token over the
+// positions it sees; then the weighted sums of V, 16 tokens per V vector read. Token t of the
+// row is at position first + t and sees [rules.first_visible(first + t), first + t]. Positions
+// are held relative to lo, the first position the chunk's first token sees (offsets[i] and
+// panel lane i: position lo + i), and a tile reads only from its first token's first visible
+// position to its last token:
+//
+//   chunk's K panels    | lo ........................................... first + q_len)
+//   tile t0 reads                | tile_lo ........ tile_seen)
+//   token t sees                     | first_visible(p) .. p ]   (zero weight elsewhere)
+//
+// Positions outside what a tile reads are never loaded, so unwritten cache slots and blocks
+// before the window (any bits) do not reach the output.
 template <int64_t kC>
 void attend_chunk_avx512(const float* qp, int64_t qs0, int64_t qs1, const float* kc,
                          const float* vc, const int64_t* offsets, int64_t cs2, int64_t first,
-                         int64_t q_len, int64_t g, int64_t group, float scale, float* op,
-                         int64_t os0, int64_t os1, std::vector<float>& panels,
-                         std::vector<float>& scores, std::vector<float>& tile_q) {
+                         int64_t q_len, int64_t g, int64_t group, float scale,
+                         const ScoreRules& rules, float* op, int64_t os0, int64_t os1,
+                         std::vector<float>& panels, std::vector<float>& scores,
+                         std::vector<float>& tile_q) {
   constexpr int64_t d = 16 * kC;
-  const int64_t seen = first + q_len;  // positions the last token sees
+  const int64_t lo = rules.first_visible(first);
+  const int64_t seen = first + q_len - lo;  // positions from lo the last token sees
   const int64_t chunks = (seen + 15) / 16;
   panels.assign(chunks * d * 16, 0.0f);  // panel c, dimension i, position lane: K[16 c + lane][i]
   for (int64_t p = 0; p < seen; ++p) {
@@ -494,7 +536,8 @@ void attend_chunk_avx512(const float* qp, int64_t qs0, int64_t qs1, const float*
   tile_q.resize(16 * d);
   for (int64_t t0 = 0; t0 < q_len; t0 += 16) {
     const int64_t count = std::min<int64_t>(16, q_len - t0);
-    const int64_t tile_seen = first + t0 + count;  // positions the tile's last token sees
+    const int64_t tile_lo = rules.first_visible(first + t0) - lo;  // the tile's first token's
+    const int64_t tile_seen = first + t0 + count - lo;  // positions the tile's last token sees
     const int64_t tile_chunks = (tile_seen + 15) / 16;
     for (int64_t j = 0; j < group; ++j) {
       const int64_t h = g * group + j;
@@ -503,7 +546,7 @@ void attend_chunk_avx512(const float* qp, int64_t qs0, int64_t qs1, const float*
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) tile_q[t * d + i] = q[i] * scale;
       }
-      for (int64_t c = 0; c < tile_chunks; ++c) {
+      for (int64_t c = tile_lo / 16; c < tile_chunks; ++c) {
         __m512 acc[16];
         for (int64_t t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
         const float* panel = panels.data() + c * d * 16;
@@ -517,15 +560,20 @@ void attend_chunk_avx512(const float* qp, int64_t qs0, int64_t qs1, const float*
       }
       for (int64_t t = 0; t < count; ++t) {
         float* s = scores.data() + t * width;
-        const int64_t n = first + t0 + t + 1;
-        softmax_avx512(s, n);
-        std::fill(s + n, s + tile_seen, 0.0f);  // positions this token does not see
+        const int64_t p = first + t0 + t;
+        const int64_t from = rules.first_visible(p) - lo, to = p + 1 - lo;
+        rules.cap_scores(s + from, to - from);
+        softmax_avx512(s + from, to - from);
+        std::fill(s + tile_lo, s + from, 0.0f);  // positions this token does not see
+        std::fill(s + to, s + tile_seen, 0.0f);
       }
-      for (int64_t t = count; t < 16; ++t) std::fill_n(scores.data() + t * width, tile_seen, 0.0f);
+      for (int64_t t = count; t < 16; ++t) {
+        std::fill(scores.data() + t * width + tile_lo, scores.data() + t * width + tile_seen, 0.0f);
+      }
       for (int64_t c = 0; c < kC; ++c) {
         __m512 acc[16];
         for (int64_t t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < tile_seen; ++p) {
+        for (int64_t p = tile_lo; p < tile_seen; ++p) {
           const __m512 v = _mm512_loadu_ps(vc + offsets[p] + g * cs2 + 16 * c);
           for (int64_t t = 0; t < 16; ++t) {
             acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(scores[t * width + p]), v, acc[t]);
@@ -542,7 +590,9 @@ void attend_chunk_avx512(const float* qp, int64_t qs0, int64_t qs1, const float*
 
 // Paged attention for whole rows, read in place from the cache: every query token of each
 // listed row attends to the row's positions up to its own (causal within a prefill chunk:
-// token t of a row with q_len queries and seq_len positions sees [0, seq_len - q_len + t]).
+// token t of a row with q_len queries and seq_len positions, at p = seq_len - q_len + t, sees
+// [0, p], or [max(0, p - sliding_window + 1), p] under a window: only those are read, so a long
+// context under a small window costs the window).
 // One task per query token: a decode row is one task, a prefill chunk of 128 tokens 128 tasks,
 // each reading its visible K and V (from the core's caches after the first tokens). On AVX-512
 // prefill chunks run tiled (attend_chunk_avx512) unless `per_token`: then every token runs
@@ -552,7 +602,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& rows, double softmax_scale, at::Tensor out,
-                     bool per_token) {
+                     bool per_token, std::optional<int64_t> sliding_window,
+                     std::optional<double> logit_softcap) {
   check_float_rows(query, "query", 3);
   check_float_rows(out, "out", 3);
   TORCH_CHECK(out.sizes() == query.sizes(), "out must be shaped like query");
@@ -568,6 +619,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   }
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "rows must be int64 [m], contiguous");
+  TORCH_CHECK(!sliding_window || *sliding_window >= 1, "sliding_window must be >= 1");
+  TORCH_CHECK(!logit_softcap || (std::isfinite(*logit_softcap) && *logit_softcap > 0.0),
+              "logit_softcap must be finite and > 0");
+  ScoreRules rules;
+  rules.window = sliding_window;
+  if (logit_softcap) rules.cap = static_cast<float>(*logit_softcap);
   const int64_t num_rows = seq_lens.size(0), width = block_tables.size(1);
   TORCH_CHECK(query_start_loc.size(0) == num_rows + 1, "query_start_loc must be [num_rows + 1]");
   const int64_t group = q_heads / kv_heads, block_size = key_cache.size(1);
@@ -577,7 +634,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   struct Task {
-    int64_t token, row, len;  // the query token, its row, the positions it sees
+    int64_t token, row, first, len;  // the query token, its row, the positions it sees
   };
   std::vector<Task> tasks;
   std::vector<int64_t> chunk_rows;  // rows for attend_chunk_avx512
@@ -600,8 +657,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
       continue;
     }
     for (int64_t t = 0; t < q_len; ++t) {
-      tasks.push_back({begin + t, r, len - q_len + t + 1});
-      positions += len - q_len + t + 1;
+      const int64_t p = len - q_len + t, first = rules.first_visible(p);
+      tasks.push_back({begin + t, r, first, p + 1});
+      positions += p + 1 - first;
     }
   }
   const float* qp = query.data_ptr<float>();
@@ -626,13 +684,13 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 #if defined(__AVX512F__)
       if (d == 64 || d == 128) {
         (d == 64 ? attend_token_avx512<4> : attend_token_avx512<8>)(
-            q, qs1, kc, vc, cs0, cs1, cs2, table, block_size, task.len, kv_heads, group, scale,
-            o, os1, scores, scratch);
+            q, qs1, kc, vc, cs0, cs1, cs2, table, block_size, task.first, task.len, kv_heads,
+            group, scale, rules, o, os1, scores, scratch);
         continue;
       }
 #endif
-      one(q, qs1, kc, vc, cs0, cs1, cs2, table, block_size, task.len, kv_heads, group, d, scale,
-          o, os1, scores, scratch);
+      one(q, qs1, kc, vc, cs0, cs1, cs2, table, block_size, task.first, task.len, kv_heads, group,
+          d, scale, rules, o, os1, scores, scratch);
     }
   });
 #if defined(__AVX512F__)
@@ -644,13 +702,15 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
       const int64_t r = chunk_rows[i / kv_heads], g = i % kv_heads;
       const int64_t first_token = starts[r], q_len = starts[r + 1] - first_token, len = lens[r];
       const int32_t* table = tables + r * width;
-      offsets.resize(len);
-      for (int64_t p = 0; p < len; ++p) {
-        offsets[p] = table[p / block_size] * cs0 + (p % block_size) * cs1;
+      // offsets[i]: position lo + i, from the first position the row's first query sees.
+      const int64_t lo = rules.first_visible(len - q_len);
+      offsets.resize(len - lo);
+      for (int64_t p = lo; p < len; ++p) {
+        offsets[p - lo] = table[p / block_size] * cs0 + (p % block_size) * cs1;
       }
       (d == 64 ? attend_chunk_avx512<4> : attend_chunk_avx512<8>)(
           qp + first_token * qs0, qs0, qs1, kc, vc, offsets.data(), cs2, len - q_len, q_len, g,
-          group, scale, op + first_token * os0, os0, os1, panels, scores, tile_q);
+          group, scale, rules, op + first_token * os0, os0, os1, panels, scores, tile_q);
     }
   });
 #endif
@@ -669,5 +729,6 @@ TORCH_LIBRARY(kvgate_cpu, m) {
         "Tensor slots) -> ()", &write_kv);
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor rows, "
-        "float softmax_scale, Tensor(a!) out, bool per_token=False) -> ()", &paged_attention);
+        "float softmax_scale, Tensor(a!) out, bool per_token=False, int? sliding_window=None, "
+        "float? logit_softcap=None) -> ()", &paged_attention);
 }

@@ -1,0 +1,138 @@
+"""Loading a model: a directory (config.json + safetensors (+ tokenizer.json)) or a .gguf file.
+
+A GGUF file (or a directory holding one as ``model.gguf``) loads with its block formats kept as
+stored under ``dtype="auto"``; a stated dtype (``float32``) dequantizes every weight into it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from kvgate.executor.config import CheckpointError, load_config
+from kvgate.executor.gguf_checkpoint import GGUF_IN_DIRECTORY, is_gguf, read_gguf_checkpoint
+from kvgate.executor.model import Model, assemble_weights
+from kvgate.executor.tensor_parallel.layers import TensorParallel
+from kvgate.executor.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
+from kvgate.executor.weights import read_checkpoint
+from kvgate.protocol.enums import AUTO_DTYPE, DType
+from kvgate.protocol.tokenizer_files import TokenizerFiles
+
+DTypeChoice = DType | Literal["auto"] | torch.dtype
+
+log = logging.getLogger("kvgate.executor")
+
+
+_TORCH_DTYPES = {
+    DType.FLOAT32: torch.float32,
+    DType.FLOAT16: torch.float16,
+    DType.BFLOAT16: torch.bfloat16,
+}
+
+
+def resolve_dtype(
+    dtype: DTypeChoice, device: torch.device, config_dtype: str | None
+) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != AUTO_DTYPE:
+        return _TORCH_DTYPES[DType(dtype)]
+    if device.type == "cpu":
+        return torch.float32
+    by_name = {d.value: t for d, t in _TORCH_DTYPES.items()} | {"float": torch.float32}
+    return by_name.get(config_dtype or "", torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Model
+    tokenizer: TextTokenizer | None
+    source: Path
+    # What the step server hands to the admission service (GET /v1/tokenizer).
+    tokenizer_files: TokenizerFiles | None = None
+
+
+def load_model(
+    model_dir: Path | str,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: DTypeChoice = AUTO_DTYPE,
+    parallel: TensorParallel | None = None,
+    batch_invariant: bool = False,
+) -> LoadedModel:
+    """Read and check a model directory or GGUF file; raises CheckpointError with the reason.
+
+    With ``parallel``, only this rank's shard is read (a ShardError, one line, when the model
+    does not split over the group). ``batch_invariant``: see :class:`Model` (a ValueError where
+    the device cannot run it).
+    """
+    path = Path(model_dir)
+    if path.is_dir() and (path / GGUF_IN_DIRECTORY).is_file():  # kvgate convert --dtype quantized
+        path = path / GGUF_IN_DIRECTORY
+    if is_gguf(path):
+        return _load_gguf(path, torch.device(device), dtype, parallel, batch_invariant)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist")
+    config = load_config(path)
+    shard = None if parallel is None else parallel.plan
+    local_config = config if shard is None else shard.local_config(config)
+    torch_device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device, config.torch_dtype)
+    tensors = read_checkpoint(path, config, torch_dtype, torch_device, shard)
+    tokenizer = load_tokenizer(path)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"tokenizer.json has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}"
+        )
+    weights = assemble_weights(local_config, tensors)
+    model = Model(local_config, weights, parallel=parallel, batch_invariant=batch_invariant)
+    return LoadedModel(model, tokenizer, path, _directory_tokenizer_files(path))
+
+
+def _directory_tokenizer_files(path: Path) -> TokenizerFiles | None:
+    tokenizer_file = path / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        return None
+    config_file = path / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} must hold a JSON object")
+    return TokenizerFiles.of(tokenizer_file.read_text(), config)
+
+
+def _load_gguf(
+    path: Path,
+    device: torch.device,
+    dtype: DTypeChoice,
+    parallel: TensorParallel | None,
+    batch_invariant: bool,
+) -> LoadedModel:
+    torch_dtype = resolve_dtype(dtype, device, None)
+    shard = None if parallel is None else parallel.plan
+    # ``auto`` keeps the file's block formats where the model can run them; a stated dtype
+    # dequantizes into it.
+    keep = dtype == AUTO_DTYPE
+    checkpoint = read_gguf_checkpoint(path, torch_dtype, device, shard, keep_quantized=keep)
+    file_bytes = path.stat().st_size
+    log.info(
+        "weights: %.1f MB in memory, %.2fx the %.1f MB file (%s)",
+        checkpoint.weight_bytes / 1e6,
+        checkpoint.weight_bytes / file_bytes,
+        file_bytes / 1e6,
+        "quantized as stored" if checkpoint.quantized else f"dequantized to {torch_dtype}",
+    )
+    config = checkpoint.config if shard is None else shard.local_config(checkpoint.config)
+    weights = assemble_weights(config, checkpoint.tensors)
+    model = Model(config, weights, parallel=parallel, batch_invariant=batch_invariant)
+    files = TokenizerFiles.of(
+        checkpoint.tokenizer.to_str(), checkpoint.special_tokens.tokenizer_config()
+    )
+    return LoadedModel(model, TextTokenizer(checkpoint.tokenizer), path, files)

@@ -1,0 +1,543 @@
+// Quantized matrix products on CPU: y = x @ W.T with W kept in its GGUF block format (Q8_0,
+// Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), registered as torch.ops.kvgate_quant.*.
+//
+// Built once per machine by kvgate/kernels/cpu/quant.py (-O3 -march=native -ffp-contract=off).
+// The specification is kvgate/kernels/torch_quant.py: every row of x is quantized per block to
+// int8 (32 values, or 256 for the K-quants), each block's products are summed exactly in
+// integers, and one float32 term per block is added up in block order, every product and sum
+// rounded on its own (no fused multiply-add). The integer sums are exact whatever the
+// instructions, so the output is the reference's bit for bit, at every row count and thread
+// count (tests/kernels/test_kernels_quant.py).
+//
+// Instructions (chosen at build time by the compiler's target, reported by isa()):
+//   avx512-vnni / avx-vnni  u8 x s8 dot products of four (vpdpbusd) on 256-bit vectors
+//   avx2                    vpmaddubsw (u8 x s8 pairs to int16) then vpmaddwd (to int32)
+//   scalar                  the same integers in plain loops
+// No product here can saturate vpmaddubsw's int16: unsigned weights are at most 63 (Q6_K's six
+// bits) or 128 (|Q8_0|, the sign moved to the activation), activations at most 127 in size.
+//
+// Tiling: threads split the rows of W (at::parallel_for, torch's intra-op threads); a thread
+// decodes one row's scales once, then runs it against x four rows at a time (one 128-bit float
+// accumulator per tile, four int32 partial-sum vectors reduced by a tree of horizontal adds),
+// and the last n % 4 rows one at a time (no padding rows computed: batch-1 decode is all of it).
+//
+// Shapes:
+//   matmul     x [n, k] float32 (rows contiguous); data [rows, k / block * bytes] uint8;
+//              format: the QuantFormat's index (Q8_0 0, Q4_0 1, Q4_1 2, Q4_K 3, Q5_K 4, Q6_K 5)
+//              -> [n, rows] float32
+//   isa        () -> the instruction set above, as a string
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+enum class Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+
+constexpr int64_t kTile = 4;  // rows of x per tile
+
+struct Layout {
+  int64_t values;
+  int64_t bytes;
+};
+
+Layout layout_of(Format f) {
+  switch (f) {
+    case Format::Q8_0: return {32, 34};
+    case Format::Q4_0: return {32, 18};
+    case Format::Q4_1: return {32, 20};
+    case Format::Q4_K: return {256, 144};
+    case Format::Q5_K: return {256, 176};
+    case Format::Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "unknown quantization format");
+}
+
+bool is_k_quant(Format f) { return f == Format::Q4_K || f == Format::Q5_K || f == Format::Q6_K; }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// ---------------------------------------------------------------------------- activations
+
+// x quantized per block (torch_quant.quantize_activations), laid out for tiles of four rows:
+// per-block numbers block-major ([block][row]) so a tile's four are one load.
+struct Activations {
+  int64_t rows_padded, k, block;
+  std::vector<int8_t> q;       // [rows_padded][k]
+  std::vector<float> d;        // [k / block][rows_padded]
+  std::vector<int32_t> sum32;  // [k / 32][rows_padded]: sum of q per 32
+  std::vector<float> sa;       // [k / 32][rows_padded]: d * sum32 (blocks of 32 only)
+  std::vector<int16_t> rsum16; // [rows_padded][k / 16]: sum of q per 16, row-major
+  std::vector<int16_t> rsum32; // [rows_padded][k / 32]
+};
+
+Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int64_t block) {
+  Activations a;
+  a.rows_padded = (n + kTile - 1) / kTile * kTile;
+  a.k = k;
+  a.block = block;
+  const int64_t np = a.rows_padded, nb = k / block;
+  a.q.assign(np * k, 0);
+  a.d.assign(nb * np, 0.0f);
+  a.sum32.assign(k / 32 * np, 0);
+  a.sa.assign(k / 32 * np, 0.0f);
+  a.rsum16.assign(np * (k / 16), 0);
+  a.rsum32.assign(np * (k / 32), 0);
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * xs;
+      int8_t* q = a.q.data() + r * k;
+      for (int64_t b = 0; b < nb; ++b) {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(row[b * block + i]));
+        const float d = amax / 127.0f;
+        const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int64_t i = 0; i < block; ++i) {
+          const float v = std::nearbyint(row[b * block + i] * inverse);
+          q[b * block + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+        }
+        a.d[b * np + r] = d;
+      }
+      for (int64_t g = 0; g < k / 16; ++g) {
+        int32_t s = 0;
+        for (int64_t i = 0; i < 16; ++i) s += q[g * 16 + i];
+        a.rsum16[r * (k / 16) + g] = static_cast<int16_t>(s);
+      }
+      for (int64_t g = 0; g < k / 32; ++g) {
+        const int32_t s = a.rsum16[r * (k / 16) + 2 * g] + a.rsum16[r * (k / 16) + 2 * g + 1];
+        a.rsum32[r * (k / 32) + g] = static_cast<int16_t>(s);
+        a.sum32[g * np + r] = s;
+        if (block == 32) a.sa[g * np + r] = a.d[g * np + r] * static_cast<float>(s);
+      }
+    }
+  });
+  return a;
+}
+
+// ------------------------------------------------------------------ one row of W, decoded
+
+// The per-block numbers of one row of W, decoded once per row (fp16 -> float, 6-bit scales).
+struct RowScales {
+  std::vector<float> d, m;        // per block: d (Q8_0/Q4_0/Q4_1/K), m (Q4_1) or dmin (Q4_K/Q5_K)
+  std::vector<int16_t> sc, mins;  // K-quants: per block 8 (Q4_K/Q5_K) or 16 (Q6_K) scales; mins 8
+};
+
+void decode_row(Format f, const uint8_t* row, int64_t nb, int64_t bytes, RowScales& s) {
+  s.d.resize(nb);
+  s.m.resize(nb);
+  s.sc.resize(nb * 16);
+  s.mins.resize(nb * 8);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    if (f == Format::Q6_K) {
+      s.d[b] = half_at(blk + 208);
+      for (int j = 0; j < 16; ++j) s.sc[b * 16 + j] = static_cast<int8_t>(blk[192 + j]);
+      continue;
+    }
+    s.d[b] = half_at(blk);
+    if (f == Format::Q4_1 || f == Format::Q4_K || f == Format::Q5_K) s.m[b] = half_at(blk + 2);
+    if (f == Format::Q4_K || f == Format::Q5_K) {
+      const uint8_t* p = blk + 4;  // quant_formats.k_scales_mins
+      for (int j = 0; j < 4; ++j) {
+        s.sc[b * 16 + j] = p[j] & 63;
+        s.mins[b * 8 + j] = p[j + 4] & 63;
+        s.sc[b * 16 + j + 4] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
+        s.mins[b * 8 + j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+      }
+    }
+  }
+}
+
+// -------------------------------------------------------- integer sums of one block, 4 rows
+
+#if defined(__AVX2__)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr const char* kIsa = "avx512-vnni";
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+#define KVGATE_QUANT_VNNI 1
+#elif defined(__AVXVNNI__)
+constexpr const char* kIsa = "avx-vnni";
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+}
+#define KVGATE_QUANT_VNNI 1
+#else
+constexpr const char* kIsa = "avx2";
+// Eight int32 lanes, lane i = sum of u * s over bytes 4i..4i+3.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+
+// Sum of each sub-block's products times its scale, in eight int32 lanes. A 32-value vector
+// is one sub-block (one scale) or, in Q6_K, two of 16 (values 0-15 in the low 128 bits).
+#if defined(KVGATE_QUANT_VNNI)
+inline __m256i scale_vector(int16_t low, int16_t high) {
+  return _mm256_set_m128i(_mm_set1_epi32(high), _mm_set1_epi32(low));
+}
+inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scale) {
+  return _mm256_mullo_epi32(dot_u8s8(u, s), scale);
+}
+#else
+inline __m256i scale_vector(int16_t low, int16_t high) {
+  return _mm256_set_m128i(_mm_set1_epi16(high), _mm_set1_epi16(low));
+}
+inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scale) {  // pairs times the scale
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
+}
+#endif
+
+// [sum(a), sum(b), sum(c), sum(d)] of four vectors of eight int32.
+inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+inline __m128i hsum4_128(__m128i a, __m128i b, __m128i c, __m128i d) {
+  return _mm_hadd_epi32(_mm_hadd_epi32(a, b), _mm_hadd_epi32(c, d));
+}
+
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i high_nibbles(__m256i v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Q4_0/Q4_1: 16 bytes -> 32 values 0..15, values 0-15 in the low half, 16-31 in the high.
+inline __m256i unpack_q4(const uint8_t* qs) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, mask);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  return _mm256_set_m128i(high, low);
+}
+
+// The lane sums of T vectors into out[0..T): four by a tree of horizontal adds, or one.
+template <int T>
+inline void hsum_store(const __m256i* v, int32_t* out) {
+  if constexpr (T == 4) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), hsum4(v[0], v[1], v[2], v[3]));
+  } else {
+    static_assert(T == 1, "tiles of four rows or one");
+    const __m128i s =
+        _mm_add_epi32(_mm256_castsi256_si128(v[0]), _mm256_extracti128_si256(v[0], 1));
+    const __m128i s2 = _mm_hadd_epi32(s, s);
+    out[0] = _mm_cvtsi128_si32(_mm_hadd_epi32(s2, s2));
+  }
+}
+
+template <int T>
+inline void hsum_store_128(const __m128i* v, int32_t* out) {
+  if constexpr (T == 4) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), hsum4_128(v[0], v[1], v[2], v[3]));
+  } else {
+    const __m128i s2 = _mm_hadd_epi32(v[0], v[0]);
+    out[0] = _mm_cvtsi128_si32(_mm_hadd_epi32(s2, s2));
+  }
+}
+
+// Blocks of 32 (Q8_0, Q4_0, Q4_1): isum[t] = sum (qw - offset) qa for rows m0..m0+T-1.
+template <int T>
+inline void block32_ints(Format f, const uint8_t* blk, const Activations& a, int64_t m0,
+                         int64_t b, int32_t* isum) {
+  const int64_t k = a.k;
+  const int8_t* q0 = a.q.data() + m0 * k + b * 32;
+  __m256i p[T];
+  if (f == Format::Q8_0) {
+    const __m256i w = load32(blk + 2);
+    const __m256i wu = _mm256_sign_epi8(w, w);
+    for (int t = 0; t < T; ++t) p[t] = dot_u8s8(wu, _mm256_sign_epi8(load32(q0 + t * k), w));
+  } else {
+    const __m256i w = unpack_q4(blk + (f == Format::Q4_0 ? 2 : 4));
+    for (int t = 0; t < T; ++t) p[t] = dot_u8s8(w, load32(q0 + t * k));
+  }
+  hsum_store<T>(p, isum);
+  if (f == Format::Q4_0) {  // sum (q - 8) qa = sum q qa - 8 sum qa
+    for (int t = 0; t < T; ++t) isum[t] -= a.sum32[b * a.rows_padded + m0 + t] * 8;
+  }
+}
+
+// Q4_K / Q5_K super-block: isum[t] = sum_j sc_j sum q qa, imin[t] = sum_j m_j sum qa.
+template <int T>
+inline void k45_ints(Format f, const uint8_t* blk, const int16_t* sc, const int16_t* mins,
+                     const Activations& a, int64_t m0, int64_t b, int32_t* isum, int32_t* imin) {
+  const int64_t k = a.k;
+  const int8_t* q0 = a.q.data() + m0 * k + b * 256;
+  const uint8_t* qs = blk + (f == Format::Q4_K ? 16 : 48);
+  __m256i acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_si256();
+  const __m256i qh = f == Format::Q5_K ? load32(blk + 16) : _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i packed = load32(qs + 32 * c);
+    __m256i low = low_nibbles(packed), high = high_nibbles(packed);
+    if (f == Format::Q5_K) {  // the fifth bit: bit 2c (low) and 2c + 1 (high) of qh
+      const __m256i bit_low = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+      const __m256i bit_high = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
+      const __m256i sixteen = _mm256_set1_epi8(16);
+      low = _mm256_or_si256(low, _mm256_and_si256(
+          _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_low), bit_low), sixteen));
+      high = _mm256_or_si256(high, _mm256_and_si256(
+          _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_high), bit_high), sixteen));
+    }
+    const __m256i sc_low = scale_vector(sc[2 * c], sc[2 * c]);
+    const __m256i sc_high = scale_vector(sc[2 * c + 1], sc[2 * c + 1]);
+    for (int t = 0; t < T; ++t) {
+      const int8_t* q = q0 + t * k + 64 * c;
+      acc[t] = _mm256_add_epi32(acc[t], scaled_dot(low, load32(q), sc_low));
+      acc[t] = _mm256_add_epi32(acc[t], scaled_dot(high, load32(q + 32), sc_high));
+    }
+  }
+  hsum_store<T>(acc, isum);
+  const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins));
+  __m128i mp[T];
+  for (int t = 0; t < T; ++t) {
+    const int16_t* s = a.rsum32.data() + (m0 + t) * (k / 32) + b * 8;
+    mp[t] = _mm_madd_epi16(m, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  hsum_store_128<T>(mp, imin);
+}
+
+// Bits s and s + 1 of every byte moved to bits 4 and 5 (Q6_K's high bits).
+inline __m256i q6_high(__m256i qh, int s) {
+  const __m256i moved = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+}
+
+// Q6_K super-block: isum[t] = sum_j sc_j sum (q - 32) qa.
+template <int T>
+inline void q6k_ints(const uint8_t* blk, const int16_t* sc, const Activations& a, int64_t m0,
+                     int64_t b, int32_t* isum) {
+  const int64_t k = a.k;
+  const int8_t* q0 = a.q.data() + m0 * k + b * 256;
+  __m256i acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
+    const __m256i qh = load32(blk + 128 + 32 * h);
+    const __m256i groups[4] = {
+        _mm256_or_si256(low_nibbles(ql0), q6_high(qh, 0)),
+        _mm256_or_si256(low_nibbles(ql1), q6_high(qh, 2)),
+        _mm256_or_si256(high_nibbles(ql0), q6_high(qh, 4)),
+        _mm256_or_si256(high_nibbles(ql1), q6_high(qh, 6)),
+    };
+    for (int g = 0; g < 4; ++g) {
+      const int j = 8 * h + 2 * g;  // the group's two 16-value sub-blocks: j, j + 1
+      const __m256i scale = scale_vector(sc[j], sc[j + 1]);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* q = q0 + t * k + 128 * h + 32 * g;
+        acc[t] = _mm256_add_epi32(acc[t], scaled_dot(groups[g], load32(q), scale));
+      }
+    }
+  }
+  hsum_store<T>(acc, isum);
+  const __m256i scales = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc));
+  __m256i cp[T];
+  for (int t = 0; t < T; ++t) {
+    const int16_t* s = a.rsum16.data() + (m0 + t) * (k / 16) + b * 16;
+    cp[t] = _mm256_madd_epi16(scales, load32(s));
+  }
+  int32_t correction[T];  // sum_j sc_j sum qa
+  hsum_store<T>(cp, correction);
+  for (int t = 0; t < T; ++t) isum[t] -= correction[t] * 32;
+}
+
+#else  // scalar: the same integers
+
+constexpr const char* kIsa = "scalar";
+
+inline int32_t q4_value(const uint8_t* qs, int i) {
+  return i < 16 ? (qs[i] & 0x0F) : (qs[i - 16] >> 4);
+}
+
+template <int T>
+inline void block32_ints(Format f, const uint8_t* blk, const Activations& a, int64_t m0,
+                         int64_t b, int32_t* isum) {
+  for (int t = 0; t < T; ++t) {
+    const int8_t* q = a.q.data() + (m0 + t) * a.k + b * 32;
+    int32_t s = 0;
+    for (int i = 0; i < 32; ++i) {
+      int32_t w;
+      if (f == Format::Q8_0) w = static_cast<int8_t>(blk[2 + i]);
+      else if (f == Format::Q4_0) w = q4_value(blk + 2, i) - 8;
+      else w = q4_value(blk + 4, i);
+      s += w * q[i];
+    }
+    isum[t] = s;
+  }
+}
+
+// Value i (0..255) of a K-quant super-block, before any offset.
+inline int32_t k_value(Format f, const uint8_t* blk, int i) {
+  const int c = i / 64, r = i % 64, l = r % 32;
+  if (f == Format::Q6_K) {
+    const int h = i / 128, g = (i % 128) / 32;
+    const uint8_t ql = blk[64 * h + (g % 2) * 32 + l];
+    const int32_t low = g < 2 ? (ql & 0x0F) : (ql >> 4);
+    return low | (((blk[128 + 32 * h + l] >> (2 * g)) & 3) << 4);
+  }
+  const uint8_t* qs = blk + (f == Format::Q4_K ? 16 : 48);
+  int32_t v = r < 32 ? (qs[32 * c + l] & 0x0F) : (qs[32 * c + l] >> 4);
+  if (f == Format::Q5_K) v |= ((blk[16 + l] >> (2 * c + (r < 32 ? 0 : 1))) & 1) << 4;
+  return v;
+}
+
+template <int T>
+inline void k45_ints(Format f, const uint8_t* blk, const int16_t* sc, const int16_t* mins,
+                     const Activations& a, int64_t m0, int64_t b, int32_t* isum, int32_t* imin) {
+  for (int t = 0; t < T; ++t) {
+    const int8_t* q = a.q.data() + (m0 + t) * a.k + b * 256;
+    int32_t s = 0, m = 0;
+    for (int j = 0; j < 8; ++j) {
+      int32_t dot = 0, sum = 0;
+      for (int i = 32 * j; i < 32 * j + 32; ++i) {
+        dot += k_value(f, blk, i) * q[i];
+        sum += q[i];
+      }
+      s += sc[j] * dot;
+      m += mins[j] * sum;
+    }
+    isum[t] = s;
+    imin[t] = m;
+  }
+}
+
+template <int T>
+inline void q6k_ints(const uint8_t* blk, const int16_t* sc, const Activations& a, int64_t m0,
+                     int64_t b, int32_t* isum) {
+  for (int t = 0; t < T; ++t) {
+    const int8_t* q = a.q.data() + (m0 + t) * a.k + b * 256;
+    int32_t s = 0;
+    for (int j = 0; j < 16; ++j) {
+      int32_t dot = 0;
+      for (int i = 16 * j; i < 16 * j + 16; ++i) dot += (k_value(Format::Q6_K, blk, i) - 32) * q[i];
+      s += sc[j] * dot;
+    }
+    isum[t] = s;
+  }
+}
+
+#endif
+
+// ------------------------------------------------------------------------------ the product
+
+// One row of W (scales decoded in s) against rows m0..m0+T-1 of x: acc[t] (torch_quant's float
+// steps, in block order; the same expression per row whatever T, so the same bits).
+template <int T>
+void tile_product(Format f, const uint8_t* row, int64_t bytes, const Activations& a,
+                  const RowScales& s, int64_t nb, int64_t m0, float* acc) {
+  const int64_t np = a.rows_padded;
+  alignas(16) int32_t isum[T], imin[T];
+  for (int t = 0; t < T; ++t) acc[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    const float* da = &a.d[b * np + m0];
+    switch (f) {
+      case Format::Q8_0:
+      case Format::Q4_0:
+        block32_ints<T>(f, blk, a, m0, b, isum);
+        for (int t = 0; t < T; ++t)
+          acc[t] = acc[t] + (s.d[b] * da[t]) * static_cast<float>(isum[t]);
+        break;
+      case Format::Q4_1: {
+        block32_ints<T>(f, blk, a, m0, b, isum);
+        const float* sa = &a.sa[b * np + m0];
+        for (int t = 0; t < T; ++t)
+          acc[t] = acc[t] + ((s.d[b] * da[t]) * static_cast<float>(isum[t]) + s.m[b] * sa[t]);
+        break;
+      }
+      case Format::Q4_K:
+      case Format::Q5_K:
+        k45_ints<T>(f, blk, &s.sc[b * 16], &s.mins[b * 8], a, m0, b, isum, imin);
+        for (int t = 0; t < T; ++t)
+          acc[t] = acc[t] + ((s.d[b] * da[t]) * static_cast<float>(isum[t]) -
+                             (s.m[b] * da[t]) * static_cast<float>(imin[t]));
+        break;
+      case Format::Q6_K:
+        q6k_ints<T>(blk, &s.sc[b * 16], a, m0, b, isum);
+        for (int t = 0; t < T; ++t)
+          acc[t] = acc[t] + (s.d[b] * da[t]) * static_cast<float>(isum[t]);
+        break;
+    }
+  }
+}
+
+// One row of W against x: out[m, r] for all m. Tiles of four rows while four remain, then the
+// last rows one by one (a lone decode row never pays for three rows of padding).
+void row_product(Format f, const uint8_t* row, int64_t bytes, const Activations& a,
+                 RowScales& s, float* out, int64_t n, int64_t rows, int64_t r) {
+  const int64_t nb = a.k / layout_of(f).values;
+  decode_row(f, row, nb, bytes, s);
+  int64_t m0 = 0;
+  for (; m0 + kTile <= n; m0 += kTile) {
+    float acc[kTile];
+    tile_product<kTile>(f, row, bytes, a, s, nb, m0, acc);
+    for (int t = 0; t < kTile; ++t) out[(m0 + t) * rows + r] = acc[t];
+  }
+  for (; m0 < n; ++m0) {
+    float acc[1];
+    tile_product<1>(f, row, bytes, a, s, nb, m0, acc);
+    out[m0 * rows + r] = acc[0];
+  }
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t cols) {
+  TORCH_CHECK(format >= 0 && format <= 5, "format must be 0..5, got ", format);
+  const Format f = static_cast<Format>(format);
+  const Layout lay = layout_of(f);
+  TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "x and data must be CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be 2-D float32");
+  TORCH_CHECK(x.size(1) == cols && x.stride(1) == 1, "x must be [n, ", cols, "], rows contiguous");
+  TORCH_CHECK(cols % lay.values == 0, "cols must be a multiple of ", lay.values);
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
+              "data must be contiguous 2-D uint8");
+  const int64_t bytes = lay.bytes, row_bytes = cols / lay.values * bytes;
+  TORCH_CHECK(data.size(1) == row_bytes, "data rows must be ", row_bytes, " bytes");
+  const int64_t n = x.size(0), rows = data.size(0);
+  at::Tensor out = at::empty({n, rows}, x.options());
+  if (n == 0 || rows == 0) return out;
+  const Activations acts =
+      quantize_rows(x.data_ptr<float>(), x.stride(0), n, cols, is_k_quant(f) ? 256 : 32);
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  // About 64k multiply-adds per task: enough to amortize a task, small enough to share.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (cols * ((n + kTile - 1) / kTile * kTile)));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    RowScales scales;
+    for (int64_t r = begin; r < end; ++r)
+      row_product(f, w + r * row_bytes, bytes, acts, scales, o, n, rows, r);
+  });
+  return out;
+}
+
+std::string isa() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY(kvgate_quant, m) {
+  m.def("matmul(Tensor x, Tensor data, int format, int cols) -> Tensor", &matmul);
+  m.def("isa() -> str", &isa);
+}
