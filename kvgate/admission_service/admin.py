@@ -17,7 +17,11 @@ requiring executors would deadlock a fresh pool. A Kafka outage fails readiness 
 liveness: a restart cannot bring the broker back and would drop the work in flight (both bodies
 name the outage). Mutations need ``Authorization: Bearer
 <admin token>``; with no token configured they are refused (403). Bodies are parsed with the
-``admin_api`` models; a bad body is answered 422 with an ``AdminError`` naming the problem.
+``admin_api`` models (pydantic's JSON parser, which stops at 200 levels of nesting); a bad body
+is answered 422 with an ``AdminError`` naming the problem. The API is served by
+``kvgate.web.guard`` (:meth:`AdminApi.runner`): a malformed request — an unknown path or method,
+an oversized request line, header or body, a body that does not arrive in time — is a 4xx with an
+``AdminError`` too, never a 500 or a dropped connection.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Callable
+from http import HTTPStatus
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,6 +38,7 @@ from pydantic import BaseModel, ValidationError
 from kvgate.admission_service.engine import Engine
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.protocol.admin import AdminError, ExecutorMembership, ExecutorSet, QueueLoad
+from kvgate.web.guard import GuardedRunner, HttpLimits, Refusal, guarded_app, read_body
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,16 @@ def _json(body: BaseModel, status: int = 200) -> web.Response:
 
 def _error(status: int, error: str, detail: str | None = None) -> web.Response:
     return _json(AdminError(error=error, detail=detail), status)
+
+
+DEFAULT_LIMITS = HttpLimits()  # the admin settings' defaults (AdminSettings.http_limits)
+
+
+def _refused(refusal: Refusal) -> web.Response:
+    """A request refused for its shape, size or pace, as an ``AdminError``."""
+    response = _error(refusal.status, HTTPStatus(refusal.status).phrase.lower(), refusal.message)
+    response.headers.update(refusal.headers)
+    return response
 
 
 class AdminApi:
@@ -56,6 +72,7 @@ class AdminApi:
         healthy: Callable[[], bool],
         outage: Callable[[], str | None] = lambda: None,
         queue: Callable[[], QueueLoad] | None = None,
+        limits: HttpLimits = DEFAULT_LIMITS,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -64,9 +81,10 @@ class AdminApi:
         self._healthy = healthy
         self._outage = outage  # why a dependency (Kafka) does not answer, else None
         self._queue = queue
+        self._limits = limits  # of every request (admin.head_timeout_s, body_timeout_s, ...)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20)
+        app = guarded_app(self._limits, _refused)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics_text)
@@ -76,13 +94,17 @@ class AdminApi:
         app.router.add_post("/v1/executors/{name}/drain", self._drain)
         return app
 
+    def runner(self) -> GuardedRunner:
+        """The runner to serve :meth:`app` with (the guard of the module docstring)."""
+        return GuardedRunner(self.app(), self._limits, _refused, access_log=None)
+
     def _refusal(self, request: web.Request) -> web.Response | None:
         if self._token is None:
             return _error(403, "forbidden", "no admin token is configured: mutations are off")
         scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            credentials.strip().encode(), self._token
-        ):
+        # surrogateescape: header bytes that are not UTF-8 give a mismatch (401), not a 500.
+        offered = credentials.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(offered, self._token):
             return _error(401, "unauthorized", "a valid admin bearer token is required")
         return None
 
@@ -114,7 +136,7 @@ class AdminApi:
         if refusal is not None:
             return refusal
         try:
-            wanted = ExecutorSet.model_validate_json(await request.read())
+            wanted = ExecutorSet.model_validate_json(await read_body(request, self._limits))
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "(body)"

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.metrics import ServiceMetrics
-from kvgate.admission_service.scheduler.events import FinishedEvent, TokenEvent
+from kvgate.admission_service.outputs import shaped
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.tracking import (
@@ -30,7 +30,9 @@ from kvgate.protocol.records import (
     ResultStatus,
     SourceRef,
     TokenChunk,
+    TokenLogprob,
 )
+from kvgate.scheduler.events import FinishedEvent, TokenEvent
 
 
 class OutcomeSink(Protocol):
@@ -66,7 +68,13 @@ class Answers:
         self._tokenizer = tokenizer
 
     def finished(self, tracked: Tracked, event: FinishedEvent) -> None:
-        self._deliver(tracked, finished_result(tracked, event, self._clock(), self._tokenizer))
+        self.deliver(tracked, self.finished_result(tracked, event))
+
+    def finished_result(self, tracked: Tracked, event: FinishedEvent) -> InferenceResult:
+        """The result of a finished output (one choice's, for ``n > 1``), tool calls and prompt
+        log-probabilities included (``outputs.shaped``)."""
+        result = finished_result(tracked, event, self._clock(), self._tokenizer)
+        return shaped(result, tracked, self._tokenizer)
 
     def unfinished(
         self,
@@ -108,14 +116,23 @@ class Answers:
 
     def token(self, tracked: Tracked, event: TokenEvent) -> None:
         chunk = TokenChunk(
-            request_id=event.request_id, index=event.output_index,
-            token_id=event.token_id, exit_depth=event.exit_depth,
+            request_id=tracked.request.request_id, index=event.output_index,
+            token_id=event.token_id, exit_depth=event.exit_depth, choice=tracked.choice,
+            logprob=event.logprob,
+            top_logprobs=(
+                [TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in event.top_logprobs]
+                if event.top_logprobs is not None else None
+            ),
         )  # fmt: skip
         self._sink.token(tracked.source, chunk, tracked.request.reply)
 
     def handed_off(self, tracked: Tracked) -> None:
         """No answer: another instance owns the request now (its span says so)."""
         self._tracer.handed_off(tracked.span, tracked.request, tracked.source)
+
+    def deliver(self, tracked: Tracked, result: InferenceResult) -> None:
+        """Send ``result`` as the answer of ``tracked``'s request (its span ends here)."""
+        self._deliver(tracked, result)
 
     def _deliver(self, tracked: Tracked, result: InferenceResult) -> None:
         self._answered.add(result.request_id)

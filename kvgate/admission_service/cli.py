@@ -22,11 +22,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from kvgate.admission_service.kafka_io import KafkaSetupError
 from kvgate.admission_service.settings import (
     ServiceSettings,
-    SettingsError,
     TelemetrySettings,
     load_settings,
 )
 from kvgate.admission_service.tokenizer import TokenizerError
+from kvgate.kafka_connection import SettingsError
 from kvgate.telemetry.setup import TelemetryConfigError, configure_tracing
 
 log = logging.getLogger("kvgate.admission_service")

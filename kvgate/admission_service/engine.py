@@ -1,9 +1,13 @@
 """The engine: requests in, placement over executors, results out.
 
-One :class:`ExecutorHandle` (scheduler + step loop) per executor. A new request goes to the
-ready executor with the most free KV capacity — its cache blocks minus the full-length need of
-every request already placed there — so a burst spreads by what it will cost, not by count.
-Requests with nowhere to go (no executor ready yet) wait unplaced, in arrival order.
+One :class:`ExecutorHandle` (scheduler + step loop) per executor. A new request goes where
+its prompt is cached, balanced against the work queued there (``placement.py``: the scoring
+rule, the bound on imbalance, affinity keys), or — ``placement.policy: headroom`` — to the
+ready executor with the most free KV capacity. A request that waits on its executor without
+having started may move to an executor that frees up or joins (``placement.pull``), keeping its
+arrival number and bypass count. Requests with nowhere to go (no executor ready yet) wait
+unplaced, in arrival order. Each request is charged to its tenant's quota when it is read
+(``quotas.py``).
 
 Every request gets a global ``arrival_seq`` when it is read, so a request that moves between
 executors (executor lost, drained or removed) keeps its place in admission order; it resumes by
@@ -30,25 +34,26 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
 from kvgate.admission_service.aborts import AbortMemory
 from kvgate.admission_service.answers import Answers, OutcomeSink
+from kvgate.admission_service.choices import ChoiceGroup, assemble, choice_spec
 from kvgate.admission_service.executor_client import Connector, EpochClock
 from kvgate.admission_service.executor_handle import ExecutorHandle, SessionSettings
 from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.membership import Membership
 from kvgate.admission_service.metrics import ExecutorGauge, ServiceMetrics
-from kvgate.admission_service.scheduler.config import SchedulerConfig
-from kvgate.admission_service.scheduler.events import (
-    FinishedEvent,
-    RequestEvent,
-    StepReport,
-    TokenEvent,
+from kvgate.admission_service.placement import (
+    Ask,
+    ExecutorView,
+    PlacementSettings,
+    Placer,
+    pull,
 )
-from kvgate.admission_service.scheduler.scheduler import ImportedSnapshot, RequestProgress
+from kvgate.admission_service.quotas import Quotas, TenantsSettings
 from kvgate.admission_service.stops import find_stop, stop_window_tokens
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
@@ -63,6 +68,16 @@ from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.migration import TransferError, TransferFailure
 from kvgate.protocol.records import RejectCode, ResultStatus, SourceRef
 from kvgate.protocol.step import StepPlan, StepResult
+from kvgate.protocol.tenants import DEFAULT_TENANT
+from kvgate.scheduler.config import SchedulerConfig
+from kvgate.scheduler.events import (
+    FinishedEvent,
+    PromptLogprobsEvent,
+    RequestEvent,
+    StepReport,
+    TokenEvent,
+)
+from kvgate.scheduler.request import ImportedSnapshot, RequestProgress
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +105,8 @@ class EngineSettings:
     token_stream: bool = False
     abort_memory_s: float = 600.0
     timeline_steps: int = 0  # keep this many StepSamples (0: none)
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    tenants: TenantsSettings = field(default_factory=TenantsSettings)
 
 
 class Engine:
@@ -122,6 +139,8 @@ class Engine:
             tokenizer=tokenizer,
         )
         self._aborted = AbortMemory(settings.abort_memory_s, clock)
+        self._placer = Placer(settings.placement)
+        self._quotas = Quotas(settings.tenants)
         self.members = Membership(
             connector=connector,
             epochs=epochs or EpochClock(),
@@ -213,13 +232,33 @@ class Engine:
             return
         span = self._tracer.start_request(request, source, record.traceparent)
         spec = build_spec(accepted, traceparent_of_span(span))
-        self._next_seq += 1
-        tracked = Tracked(request, spec, source, self._next_seq, self._clock(), span, record)
+        if request.tenant is not None:
+            spec = dataclasses.replace(spec, tenant=request.tenant)
+        # One arrival number per choice, taken now: choices placed later keep their place.
+        arrival_seq = self._next_seq + 1
+        self._next_seq += request.n
+        tracked = Tracked(request, spec, source, arrival_seq, self._clock(), span, record)
+        if request.n > 1:
+            tracked.group = ChoiceGroup(request.n, members={0: tracked})
         self._requests[rid] = tracked
         self._idle.clear()
         if self._aborted.take(rid):
             self._answer(
                 tracked, ResultStatus.ABORTED, "aborted before it was read", FinishReason.ABORT
+            )
+            return
+        cost = len(spec.prompt_token_ids) + request.n * spec.sampling.max_tokens
+        wait_s = self._quotas.take(spec.tenant, cost, self._clock())
+        if wait_s is not None:
+            quota = self._quotas.quota(spec.tenant)
+            assert quota is not None
+            self._release(tracked)
+            self._answers.rejected(
+                tracked,
+                RejectCode.QUOTA_EXCEEDED,
+                f"tenant {spec.tenant or DEFAULT_TENANT} is over its quota of "
+                f"{quota.tokens_per_minute} tokens per minute ({cost} asked); retry in "
+                f"{wait_s:.1f} s",
             )
             return
         self._place(tracked)
@@ -231,6 +270,9 @@ class Engine:
         if tracked is None:
             self._aborted.remember(request_id)
             return False
+        if tracked.group is not None:  # every choice at once, one answer
+            self._answer(tracked, ResultStatus.ABORTED, "aborted", FinishReason.ABORT)
+            return True
         handle = self._handle_of(tracked)
         if handle is None or not handle.abort(request_id):
             self._answer(tracked, ResultStatus.ABORTED, "aborted while waiting", FinishReason.ABORT)
@@ -251,23 +293,18 @@ class Engine:
                 self._hand_off(tracked)
         return len(dropped)
 
-    def _migrating_requests(self) -> list[Tracked]:
-        """Requests lifted with their KV and not yet placed (in transit)."""
-        return [
-            t
-            for t in self._requests.values()
-            if t.executor is None
-            and not t.unplaced
-            and t.progress is not None
-            and t.progress.snapshot_pages
-        ]
-
     def _handle_of(self, tracked: Tracked) -> ExecutorHandle | None:
         return self.handles.get(tracked.executor) if tracked.executor else None
 
     # ------------------------------------------------------------------------ placement
-    def _place(self, tracked: Tracked) -> None:
-        candidates = self.members.ready()
+    def _place(self, tracked: Tracked, prefer: str | None = None) -> None:
+        """Queue ``tracked`` where placement ranks it best (``prefer`` first: a request's other
+        choices go where its prompt is cached)."""
+        ready = self.members.ready()
+        by_name = {handle.name: handle for handle in ready}
+        candidates = [by_name[view.name] for view in self._placer.rank(_ask(tracked), ready)]
+        if prefer is not None:
+            candidates = sorted(candidates, key=lambda handle: handle.name != prefer)
         if not candidates:
             tracked.executor = None
             tracked.unplaced = True
@@ -299,7 +336,50 @@ class Engine:
         tracked.executors.append(handle.name)
         tracked.record = None
         tracked.progress = None
+        self._placer.placed(_ask(tracked), handle)
         return None
+
+    def _pull_into(self, target: ExecutorHandle) -> None:
+        """``target`` has nothing waiting: requests waiting unstarted elsewhere that would cost
+        less there by the margin move to it, oldest first, as many as it has free slots."""
+        scheduler = target.scheduler
+        if scheduler is None or not target.accepts_work or scheduler.num_waiting > 0:
+            return
+        budget = scheduler.config.max_num_seqs - scheduler.num_running
+        if budget <= 0:
+            return
+        queued: list[tuple[ExecutorView, Ask, int]] = []
+        for source in self.members.ready():
+            if source is target:
+                continue
+            for rid in source.unstarted(4 * budget):
+                tracked = self._requests.get(rid)
+                if tracked is not None and tracked.executor == source.name:
+                    queued.append((source, _ask(tracked), source.own_backlog(rid)))
+        if not queued:
+            return
+        queued.sort(key=lambda item: self._requests[item[1].request_id].arrival_seq)
+        pull(self._placer, target, queued, budget, self._move)
+
+    def _move(self, ask: Ask, source: ExecutorView, target: ExecutorView) -> bool:
+        assert isinstance(source, ExecutorHandle) and isinstance(target, ExecutorHandle)
+        tracked = self._requests[ask.request_id]
+        progress = source.withdraw(ask.request_id)
+        if progress is None:
+            return False  # it started meanwhile
+        self._placer.left(ask.request_id, ask.affinity_key)
+        problem = target.place(tracked.spec, arrival_seq=tracked.arrival_seq, progress=progress)
+        if problem is not None:  # it cannot run there after all: back where it was
+            problem = source.place(tracked.spec, arrival_seq=tracked.arrival_seq, progress=progress)
+            assert problem is None, f"{ask.request_id} ran on {source.name} a moment ago"
+            self._placer.placed(ask, source)
+            return False
+        tracked.executor = target.name
+        tracked.executors.append(target.name)
+        tracked.moves += 1
+        self._placer.placed(ask, target)
+        self.metrics.placement_moves.inc()
+        return True
 
     def _place_unplaced(self) -> None:
         while self._unplaced and self.members.ready():
@@ -315,6 +395,7 @@ class Engine:
     def on_ready(self, handle: ExecutorHandle) -> None:
         self._place_unplaced()
         self.members.evacuate_drains()
+        self._pull_into(handle)
 
     def on_events(self, handle: ExecutorHandle, events: list[RequestEvent]) -> None:
         requests = self._requests
@@ -324,8 +405,16 @@ class Engine:
             if tracked is None or tracked.executor != handle.name:
                 continue  # an event of a request that has moved on
             if isinstance(event, TokenEvent):
+                now = self._clock()
                 if tracked.first_token_at is None:
-                    tracked.first_token_at = self._clock()
+                    tracked.first_token_at = now
+                    self.metrics.observe_token(handle.name, now - tracked.received_at, None)
+                    group = tracked.group
+                    if group is not None and not group.spawned:
+                        self._spawn_choices(tracked, group)
+                elif tracked.last_token_at is not None:
+                    self.metrics.observe_token(handle.name, 0.0, now - tracked.last_token_at)
+                tracked.last_token_at = now
                 if event.logprob is not None and event.output_index == len(tracked.logprobs):
                     tracked.logprobs.append(output_logprobs(event, self._tokenizer))
                 if tracked.request.stop and self._tokenizer is not None:
@@ -338,12 +427,51 @@ class Engine:
                 ):
                     tracked.tokens_out = event.output_index + 1
                     self._answers.token(tracked, event)
+            elif isinstance(event, PromptLogprobsEvent):
+                scores = event.logprobs
+                tops = scores.top_logprobs or [[] for _ in scores.logprobs]
+                for offset, (logprob, top) in enumerate(zip(scores.logprobs, tops, strict=True)):
+                    tracked.prompt_scores[scores.first_position + offset] = (logprob, top)
             elif isinstance(event, FinishedEvent):
+                now = self._clock()
+                unused = tracked.spec.sampling.max_tokens - len(event.output_token_ids)
+                self._quotas.credit(tracked.spec.tenant, unused, now)
+                admitted = tracked.admitted_at
+                self.metrics.observe_finished(
+                    handle.name,
+                    now - tracked.received_at,
+                    None if admitted is None else admitted - tracked.received_at,
+                )
                 if tracked.handed_off:
                     self._hand_off(tracked)
                     continue
                 self._release(tracked)
-                self._answers.finished(tracked, event)
+                if tracked.group is None:
+                    self._answers.finished(tracked, event)
+                else:
+                    self._choice_finished(tracked, tracked.group, event)
+
+    # ---------------------------------------------------------------------- n > 1 choices
+    def _spawn_choices(self, leader: Tracked, group: ChoiceGroup) -> None:
+        """Place choices 1..n-1 beside choice 0, whose prompt is now in the prefix cache."""
+        group.spawned = True
+        for index in range(1, group.n):
+            spec = choice_spec(leader.spec, index)
+            member = Tracked(
+                leader.request, spec, leader.source, leader.arrival_seq + index,
+                leader.received_at, leader.span, None, choice=index, group=group,
+            )  # fmt: skip
+            group.members[index] = member
+            self._requests[spec.request_id] = member
+            self._place(member, prefer=leader.executor)
+            if self._requests.get(leader.request_id) is not leader:
+                return  # a choice that could not be placed failed the request
+
+    def _choice_finished(self, tracked: Tracked, group: ChoiceGroup, event: FinishedEvent) -> None:
+        group.results[tracked.choice] = self._answers.finished_result(tracked, event)
+        if group.complete:
+            leader = group.leader
+            self._answers.deliver(leader, assemble(leader.request_id, group))
 
     def _stop_on_text(self, handle: ExecutorHandle, tracked: Tracked, event: TokenEvent) -> None:
         """Finish the request (reason stop) once its text holds one of its stop strings."""
@@ -486,7 +614,7 @@ class Engine:
                 links.append(tracked.span)
                 if tracked.admitted_at is None:
                     tracked.admitted_at = now
-        self.metrics.observe_step(report)
+        self.metrics.observe_step(report, handle.name)
         span = self._tracer.start_step(handle.name, plan, report, links)
         traceparent = traceparent_of_span(span)
         self._step_spans[(handle.name, plan.step_id)] = span
@@ -507,11 +635,15 @@ class Engine:
             self._tracer.end_step(span, result, round_trip_s)
         self.metrics.steps.labels(executor=handle.name).inc()
         self.metrics.step_round_trip.observe(round_trip_s)
+        scheduler = handle.scheduler
+        if self._placer.settings.max_moves and scheduler is not None and not scheduler.num_waiting:
+            self._pull_into(handle)
 
     # ------------------------------------------------------------------------- answers
     def _release(self, tracked: Tracked) -> None:
         """Forget a request (about to be answered, or handed off)."""
         self._requests.pop(tracked.request_id, None)
+        self._placer.left(tracked.request_id, tracked.request.affinity_key)
         if tracked.unplaced:
             tracked.unplaced = False  # its heap entry is skipped when popped
             self._num_unplaced -= 1
@@ -527,12 +659,31 @@ class Engine:
         reason: str,
         finish: FinishReason | None = None,
     ) -> None:
-        self._release(tracked)
+        group = tracked.group
+        if group is not None:
+            # One choice aborted, failed or rejected: the request is answered, its other
+            # choices are cancelled where they run and forgotten.
+            for member in group.members.values():
+                if self._requests.get(member.request_id) is member:
+                    # Forgotten first: the abort's FinishedEvent (maybe at once) is then ignored.
+                    self._release(member)
+                    handle = self._handle_of(member)
+                    if handle is not None:
+                        handle.abort(member.request_id)
+            tracked = group.leader
+        else:
+            self._release(tracked)
         self._answers.unfinished(tracked, status, reason, finish)
 
     def _hand_off(self, tracked: Tracked) -> None:
         tracked.handed_off = True
         self._release(tracked)
+        group = tracked.group
+        if group is not None:
+            if group.handed_off:
+                return  # the request's span said so already
+            group.handed_off = True
+            tracked = group.leader
         self._answers.handed_off(tracked)
 
     def reject(self, record: RawRecord, rejection: Rejection) -> None:
@@ -540,3 +691,14 @@ class Engine:
         has no answer yet (nor one coming from a copy in flight)."""
         in_flight = rejection.request_id is not None and rejection.request_id in self._requests
         self._answers.rejected_record(record, rejection, in_flight=in_flight)
+
+
+def _ask(tracked: Tracked) -> Ask:
+    spec = tracked.spec
+    return Ask(
+        spec.request_id,
+        spec.prompt_token_ids,
+        spec.sampling.max_tokens,
+        tracked.request.affinity_key,
+        tracked.moves,
+    )

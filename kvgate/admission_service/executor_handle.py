@@ -30,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,19 +48,6 @@ from kvgate.admission_service.executor_client import (
     SessionRefused,
     StepSession,
 )
-from kvgate.admission_service.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
-from kvgate.admission_service.scheduler.errors import (
-    PlanRejected,
-    RequestRejected,
-    SchedulerStalled,
-)
-from kvgate.admission_service.scheduler.events import RequestEvent, StepReport
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import (
-    ImportedSnapshot,
-    RequestProgress,
-    Scheduler,
-)
 from kvgate.backoff import jittered_delay_s
 from kvgate.protocol import capacity
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
@@ -67,6 +55,15 @@ from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.migration import SnapshotStaged, TransferError, TransferFailure
 from kvgate.protocol.records import RejectCode
 from kvgate.protocol.step import ExecutorCounters, ExecutorInfo, StepPlan, StepResult
+from kvgate.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
+from kvgate.scheduler.errors import (
+    PlanRejected,
+    RequestRejected,
+    SchedulerStalled,
+)
+from kvgate.scheduler.events import RequestEvent, StepReport
+from kvgate.scheduler.request import ImportedSnapshot, RequestProgress, RequestSpec
+from kvgate.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +160,10 @@ class ExecutorHandle:
         self.lost_reason: str | None = None
         self._reserved: dict[str, int] = {}  # request id -> its full-length KV need here
         self.reserved_blocks = 0  # their sum
+        # Requests queued here that have not started (placement's backlog): id -> fill tokens,
+        # in the order they were placed.
+        self._unstarted: dict[str, int] = {}
+        self.backlog_tokens = 0  # their sum
         # What the executor reported holding after its last step (None: no session).
         self.reported: ExecutorCounters | None = None
         self.sessions = 0
@@ -194,6 +195,36 @@ class ExecutorHandle:
     def headroom_blocks(self) -> int:
         """Cache blocks minus the full-length need of every request placed here."""
         return 0 if self.info is None else self.info.num_blocks - self.reserved_blocks
+
+    # --- what placement reads (placement.ExecutorView) ----------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size if self.info is not None else 1
+
+    @property
+    def outstanding(self) -> int:
+        """Requests placed here and not finished."""
+        return len(self._reserved)
+
+    def cached_prefix_pages(self, digests: Sequence[bytes]) -> int:
+        return self.scheduler.cached_prefix_pages(digests) if self.scheduler is not None else 0
+
+    def has_room_for(self, prompt_len: int, max_tokens: int) -> bool:
+        info = self.info
+        if info is None:
+            return False
+        need = capacity.blocks_for(
+            prompt_len, max_tokens, block_size=info.block_size, num_planes=info.num_loops
+        )
+        return self.headroom_blocks >= need
+
+    def unstarted(self, limit: int) -> list[str]:
+        """The first ``limit`` requests queued here that have not started, in the order they
+        were placed."""
+        return list(itertools.islice(self._unstarted, limit))
+
+    def own_backlog(self, request_id: str) -> int:
+        return self._unstarted.get(request_id, 0)
 
     @property
     def imports_snapshots(self) -> bool:
@@ -244,14 +275,28 @@ class ExecutorHandle:
         scheduler, info = self.scheduler, self.info
         assert scheduler is not None and info is not None
         prompt = spec.prompt_token_ids
-        if max(prompt) >= info.vocab_size:
+        sampling = spec.sampling
+        # The prompt's, logit_bias's and stop_token_ids' ids alike (the executor would refuse
+        # the whole step that registers one beyond its vocabulary).
+        largest = max([*prompt, *sampling.logit_bias, *sampling.stop_token_ids])
+        if largest >= info.vocab_size:
             return (
                 RejectCode.TOKEN_OUT_OF_VOCABULARY,
-                f"token id {max(prompt)} is outside the model's vocabulary ({info.vocab_size})",
+                f"token id {largest} is outside the model's vocabulary ({info.vocab_size})",
+            )
+        if sampling.grammar is not None and not info.structured_outputs:
+            return (
+                RejectCode.STRUCTURED_OUTPUT,
+                f"{self.name} cannot enforce a structured output or a forced tool call (its "
+                "model has no tokenizer or no end-of-sequence token)",
             )
         try:
             scheduler.add_request(
-                spec, arrival_seq=arrival_seq, progress=progress, snapshot=snapshot
+                spec,
+                arrival_seq=arrival_seq,
+                progress=progress,
+                snapshot=snapshot,
+                now=self._clock(),
             )
         except RequestRejected as exc:
             return RejectCode.INFEASIBLE, f"{self.name}: {exc.reason}"
@@ -263,12 +308,29 @@ class ExecutorHandle:
         )
         self._reserved[spec.request_id] = blocks
         self.reserved_blocks += blocks
+        if snapshot is None:
+            fill = len(prompt) + (len(progress.output_token_ids) if progress is not None else 0)
+            self._unstarted[spec.request_id] = fill
+            self.backlog_tokens += fill
         self.wake()
         return None
 
     def release(self, request_id: str) -> None:
         """The request left this executor (answered, handed off or moved): free its reservation."""
         self.reserved_blocks -= self._reserved.pop(request_id, 0)
+        self._started(request_id)
+
+    def withdraw(self, request_id: str) -> RequestProgress | None:
+        """Lift out a request queued here that has not started, to be placed elsewhere with its
+        place kept (``Scheduler.withdraw``); ``None`` when it has started (or is not here)."""
+        scheduler = self.scheduler
+        progress = scheduler.withdraw(request_id) if scheduler is not None else None
+        if progress is not None:
+            self.release(request_id)
+        return progress
+
+    def _started(self, request_id: str) -> None:
+        self.backlog_tokens -= self._unstarted.pop(request_id, 0)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Finish a request queued or running here (cancelled, or ``stop`` on a stop string);
@@ -366,6 +428,8 @@ class ExecutorHandle:
         self._evacuate = False
         self._reserved.clear()  # everything placed before was lifted when the last session ended
         self.reserved_blocks = 0
+        self._unstarted.clear()
+        self.backlog_tokens = 0
         self._observer.on_ready(self)
         loop = asyncio.create_task(self._step_loop(session), name=f"kvgate-steps-{self.name}")
         stop = asyncio.create_task(self._stop.wait())
@@ -424,6 +488,8 @@ class ExecutorHandle:
                 await self._lift(scheduler, session)
             while len(inflight) < allowed and scheduler.has_work and not self._evacuate:
                 plan = scheduler.schedule(self._clock())
+                for request_id, _ in scheduler.last_report.admitted:
+                    self._started(request_id)
                 events = scheduler.pop_events()
                 if events:
                     observer.on_events(self, events)

@@ -22,8 +22,10 @@ from pydantic import ValidationError
 
 from kvgate.admission_service.executor_client import ConnectFailed, Connector, StepSession
 from kvgate.admission_service.tokenizer import FileTokenizer, TokenizerError, tokenizer_from_files
+from kvgate.admission_service.tool_parsers import ToolCallFormat
 from kvgate.protocol.records import ChatMessage
 from kvgate.protocol.tokenizer_files import TOKENIZER_PATH, TokenizerFiles
+from kvgate.protocol.tools import ToolDefinition
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,8 @@ def _describe(digest: str) -> str:
 class PoolTokenizer:
     """A :class:`TextCodec` that is the tokenizer every connected executor agreed on."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_call_format: ToolCallFormat = ToolCallFormat.AUTO) -> None:
+        self._tool_call_format = tool_call_format
         self._lock = threading.Lock()  # adopted on the loop, used on tokenizer threads
         self._digest: str | None = None
         self._source: str | None = None
@@ -68,7 +71,9 @@ class PoolTokenizer:
                         "every executor of a pool must run the same model"
                     )
                 return
-        codec = None if files is None else tokenizer_from_files(files, executor)
+        codec = (
+            None if files is None else tokenizer_from_files(files, executor, self._tool_call_format)
+        )
         with self._lock:
             if self._digest is None:
                 self._digest, self._source, self._codec = digest, executor, codec
@@ -95,8 +100,16 @@ class PoolTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._require().decode(token_ids)
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        return self._require().render_chat(messages)
+    def decode_with_special(self, token_ids: list[int]) -> str:
+        return self._require().decode_with_special(token_ids)
+
+    def render_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolDefinition] | None = None
+    ) -> str:
+        return self._require().render_chat(messages, tools)
+
+    def tool_call_format(self) -> ToolCallFormat:
+        return self._require().tool_call_format()
 
 
 async def fetch_tokenizer(

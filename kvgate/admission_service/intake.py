@@ -4,16 +4,17 @@ When it commits: never itself — offsets are committed by the outbox's commit c
 the lowest offset still in flight, so a crash at any point re-delivers every request whose
 answer is not durable (at-least-once consumption).
 
-On assignment of partition ``p`` (in this order): start ``p``'s transactional producer (fences
-the previous owner, finishing or aborting its open transaction); read the committed offset and
-its metadata; scan the results partition ``p`` from the recorded position (or from the start of
-the idempotency window, when earlier) for answers to requests at or above that offset and for
-the ids answered within the window (``idempotency.py``); seek to it. Reading such an answered
-request again finalises it without running it.
+On assignment the rebalance callback only pauses the partitions it was given and starts
+taking them over in a task (``takeover.py``: aiokafka does not heartbeat while the callback
+runs, and taking a partition over costs up to a second): ``p``'s producer started (fencing the
+previous owner), its ledger built from the committed offset and a scan of results partition
+``p``, the position sought; then ``p`` alone is resumed. Reading a request found answered by
+that scan finalises it without running it.
 
-On revocation of ``p``: requests read from ``p`` are cancelled here without answers (handed
-off), one last commit cycle commits ``p`` up to its lowest unanswered offset, and ``p``'s
-producer stops — the next owner starts exactly where this one stopped answering.
+On revocation of ``p``: take-overs still running finish first; then requests read from ``p``
+are cancelled here without answers (handed off), one last commit cycle commits ``p`` up to its
+lowest unanswered offset, and ``p``'s producer stops — the next owner starts exactly where this
+one stopped answering.
 
 When ``p``'s producer is fenced while ``p`` is still assigned here (the outbox drops ``p``):
 its requests are handed off, ``p`` stops being fetched, and the group is asked to rebalance.
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -47,16 +47,12 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from kvgate.admission_service.engine import Engine
-from kvgate.admission_service.kafka_io import (
-    client_options,
-    committed_offset,
-    raw_record,
-    scan_answered,
-)
+from kvgate.admission_service.kafka_io import raw_record
 from kvgate.admission_service.metrics import ServiceMetrics
-from kvgate.admission_service.offsets import PartitionLedger, decode_metadata
+from kvgate.admission_service.offsets import PartitionLedger
 from kvgate.admission_service.outbox import Outbox
-from kvgate.admission_service.settings import IsolationLevel, ServiceSettings
+from kvgate.admission_service.settings import ServiceSettings
+from kvgate.admission_service.takeover import TakeOvers
 from kvgate.admission_service.tokenizer import TextCodec, TokenizerThreads
 from kvgate.admission_service.validation import (
     Accepted,
@@ -67,6 +63,7 @@ from kvgate.admission_service.validation import (
     tokenized,
     validate_abort,
 )
+from kvgate.kafka_connection import client_options
 from kvgate.protocol.records import RejectCode
 
 log = logging.getLogger(__name__)
@@ -86,6 +83,10 @@ def request_consumer(settings: ServiceSettings) -> AIOKafkaConsumer:
         heartbeat_interval_ms=kafka.heartbeat_interval_ms,
         max_poll_interval_ms=kafka.max_poll_interval_ms,
         max_poll_records=kafka.max_poll_records,
+        # A request is read the moment it is there (interactive latency): the broker answers
+        # as soon as it has one byte, and holds an empty fetch at most fetch_max_wait_ms.
+        fetch_min_bytes=1,
+        fetch_max_wait_ms=kafka.fetch_max_wait_ms,
         fetch_max_bytes=max(52428800, 2 * settings.limits.max_message_bytes),
         max_partition_fetch_bytes=max(1048576, settings.limits.max_message_bytes + 1024),
     )
@@ -127,17 +128,33 @@ class Intake:
         )
         self._tokenizing: set[asyncio.Task[None]] = set()
         self.paused = False
-        self.assigned_once = asyncio.Event()
+        self._take_overs = TakeOvers(
+            settings,
+            consumer,
+            outbox,
+            engine.answered,
+            on_ready=self._taken_over,
+            on_failure=on_failure,
+        )
+        # The assigned partitions that are taken over and not fenced: the only ones resumed.
+        self._readable: set[TopicPartition] = set()
         self._fetching = True
         self._stopped = asyncio.Event()
         self._positions: dict[int, int] = {}  # partition -> next offset to read
         self._first_read: dict[int, int] = {}  # partition -> first offset read since assignment
+
+    @property
+    def assigned_once(self) -> asyncio.Event:
+        """Set once the first assignment has been taken over whole."""
+        return self._take_overs.taken_over_once
 
     def subscribe(self) -> None:
         self.consumer.subscribe([self.settings.kafka.request_topic], listener=_Rebalance(self))
 
     # ------------------------------------------------------------------------ rebalances
     async def revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._take_overs.settle()
+        self._readable -= revoked
         for tp in sorted(revoked):
             handed_off = self.engine.drop_partition(tp.topic, tp.partition)
             await self.outbox.close_partition(tp.partition)
@@ -148,6 +165,7 @@ class Intake:
         docstring): hand its requests off and let the group decide who owns it."""
         tp = TopicPartition(self.settings.kafka.request_topic, partition)
         handed_off = self.engine.drop_partition(tp.topic, tp.partition)
+        self._readable.discard(tp)
         if tp in self.consumer.assignment():
             self.consumer.pause(tp)
         log.warning(
@@ -162,53 +180,18 @@ class Intake:
             coordinator.request_rejoin()
 
     async def assigned(self, assigned: set[TopicPartition]) -> None:
-        # Nothing may be read from a partition before its ledger exists: the consumer starts
-        # fetching as soon as the assignment is set, while this callback still runs.
+        # Returns at once: no heartbeat is sent until it does (see takeover.py). Nothing may
+        # be read from a partition before its ledger exists, and the consumer starts fetching
+        # as soon as the assignment is set.
         self.consumer.pause(*assigned)
-        try:
-            for tp in sorted(assigned):
-                await self._take_over(tp)
-        except Exception as exc:
-            # aiokafka logs and swallows listener errors; a partition we hold but cannot
-            # track would never be read, so the service must fail (and be restarted) instead.
-            log.exception("taking over partitions %s failed", sorted(assigned))
-            self._on_failure(exc)
-            return
-        if not self.paused:
-            self.consumer.resume(*assigned)
-        self.assigned_once.set()
+        self._take_overs.start(assigned)
 
-    async def _take_over(self, tp: TopicPartition) -> None:
-        kafka = self.settings.kafka
-        read_committed = (
-            self.outbox.transactional or kafka.isolation_level is IsolationLevel.READ_COMMITTED
-        )
-        await self.outbox.open_partition(tp.partition)
-        committed, metadata = await committed_offset(self.consumer, tp)
-        window_s = self.settings.limits.idempotency_window_s
-        scan = await scan_answered(
-            kafka,
-            partition=tp.partition,
-            results_from=decode_metadata(metadata),
-            committed=committed,
-            read_committed=read_committed,
-            ids_since_s=time.time() - window_s,
-        )
-        answered = scan.answered
-        self.engine.answered.add_all(scan.ids)
-        self.outbox.track(
-            tp.partition,
-            PartitionLedger(committed=committed, answered=answered, results_end=scan.end),
-        )
+    def _taken_over(self, tp: TopicPartition) -> None:
+        """``tp`` has its ledger and position: read it (unless intake is paused or stopping)."""
         self._first_read.pop(tp.partition, None)
-        if committed is not None:
-            self.consumer.seek(tp, committed)
-        log.info(
-            "partition %d assigned at offset %s (%d answered above it found)",
-            tp.partition,
-            committed,
-            len(answered),
-        )
+        self._readable.add(tp)
+        if self._fetching and not self.paused:
+            self.consumer.resume(tp)
 
     # ---------------------------------------------------------------------- the loop
     async def run(self) -> None:
@@ -289,7 +272,7 @@ class Intake:
             and texts < limits.max_pending_tokenizations // 2 + 1
         ):
             self.paused = False
-            self.consumer.resume(*self.consumer.assignment())
+            self.consumer.resume(*(self._readable & self.consumer.assignment()))
             log.info("resuming intake: %d requests waiting", waiting)
 
     async def stop_fetching(self) -> None:

@@ -36,10 +36,10 @@ from collections.abc import Callable
 
 from aiokafka.client import AIOKafkaClient
 
-from kvgate.admission_service.kafka_io import client_options
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.settings import KafkaSettings
 from kvgate.backoff import Uniform, jittered_delay_s
+from kvgate.kafka_connection import client_options
 
 log = logging.getLogger(__name__)
 

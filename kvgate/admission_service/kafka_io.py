@@ -1,4 +1,4 @@
-"""Kafka plumbing: client options (TLS, SASL), topics, the transactions probe, committed offsets
+"""Kafka plumbing: topics, the transactions probe, committed offsets
 with their metadata, and the results scan that finds requests already answered.
 
 Everything that speaks to Kafka directly, other than the consume loop (``intake.py``) and the
@@ -13,44 +13,28 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaConnectionError, KafkaError
-from aiokafka.helpers import create_ssl_context
+from aiokafka.errors import (
+    IncompatibleBrokerVersion,
+    KafkaConnectionError,
+    KafkaError,
+    UnsupportedVersionError,
+)
 from aiokafka.structs import ConsumerRecord
 
 from kvgate.admission_service.settings import ExactlyOnce, KafkaSettings
 from kvgate.admission_service.validation import RawRecord
+from kvgate.kafka_connection import client_options
 
 log = logging.getLogger(__name__)
 
 
 class KafkaSetupError(RuntimeError):
     """Kafka is not usable as configured (topics, partitions, transactions)."""
-
-
-def client_options(settings: KafkaSettings) -> dict[str, Any]:
-    """Connection options every client of the service shares (aiokafka keyword arguments)."""
-    options: dict[str, Any] = {
-        "bootstrap_servers": settings.bootstrap_servers,
-        "client_id": settings.client_id,
-        "security_protocol": settings.security_protocol.value,
-        "request_timeout_ms": settings.request_timeout_ms,
-    }
-    if settings.sasl_mechanism is not None:
-        options["sasl_mechanism"] = settings.sasl_mechanism.value
-        options["sasl_plain_username"] = settings.sasl_username
-        options["sasl_plain_password"] = settings.sasl_password_value()
-    if settings.uses_tls:
-        context = create_ssl_context(
-            cafile=settings.ssl_cafile, certfile=settings.ssl_certfile, keyfile=settings.ssl_keyfile
-        )
-        context.check_hostname = settings.ssl_check_hostname
-        options["ssl_context"] = context
-    return options
 
 
 def raw_record(message: ConsumerRecord[bytes, bytes]) -> RawRecord:
@@ -92,16 +76,38 @@ class TopicLimits:
     dlq_max_bytes: int | None
 
 
-async def _max_message_bytes(admin: AIOKafkaAdminClient, topics: list[str]) -> dict[str, int]:
-    """``max.message.bytes`` of each topic, as far as the broker describes them."""
-    resources = [
-        ConfigResource(ConfigResourceType.TOPIC, t, {MAX_MESSAGE_BYTES: None}) for t in topics
-    ]
+# Errors that mean the broker has no DescribeConfigs at all (aiokafka found no version both
+# sides speak): nothing is wrong, so the unknown limits are said at INFO, not as a warning.
+_NO_DESCRIBE_CONFIGS: Final = (
+    IncompatibleBrokerVersion,
+    UnsupportedVersionError,
+    NotImplementedError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Described:
+    """``max.message.bytes`` by topic, as far as the broker described it, and why not further
+    (the call's error; None when the broker answered, with or without the key)."""
+
+    found: dict[str, int]
+    error: Exception | None = None
+
+
+async def _max_message_bytes(admin: AIOKafkaAdminClient, topics: list[str]) -> _Described:
+    """``max.message.bytes`` of each topic, as far as the broker describes them.
+
+    Every config of the topics is asked for (``configs=None``: a null key list) and the one
+    wanted picked out. Naming the key would give a shorter answer, but Tansu (the embedded
+    broker, 0.6) cannot decode a request that names keys: it logs ``StringWithoutLength`` and
+    drops the connection. It answers a null list, with no entries (it keeps no topic
+    configs); a real Kafka answers a few dozen entries per topic.
+    """
+    resources = [ConfigResource(ConfigResourceType.TOPIC, t, None) for t in topics]
     try:
         responses = await admin.describe_configs(resources)
-    except (KafkaError, ValueError, IndexError, TypeError) as exc:
-        log.warning("the broker does not describe topic configs (%r)", exc)
-        return {}
+    except (KafkaError, NotImplementedError, ValueError, IndexError, TypeError) as exc:
+        return _Described({}, exc)
     found: dict[str, int] = {}
     for response in responses:
         for error_code, _message, _kind, name, entries in (r[:5] for r in response.resources):
@@ -110,7 +116,27 @@ async def _max_message_bytes(admin: AIOKafkaAdminClient, topics: list[str]) -> d
             for entry in entries:
                 if entry[0] == MAX_MESSAGE_BYTES and str(entry[1]).isdigit():
                     found[name] = int(entry[1])
-    return found
+    return _Described(found)
+
+
+def _say_unknown_limits(described: list[_Described], topics: list[str]) -> None:
+    """One line when a topic's record size limit stays unknown: a warning when the call failed,
+    INFO when the broker has no such call or keeps no such config (the embedded broker)."""
+    unknown = [t for t in topics if not any(t in d.found for d in described)]
+    if not unknown:
+        return
+    errors = [d.error for d in described if d.error is not None]
+    failed = [e for e in errors if not isinstance(e, _NO_DESCRIBE_CONFIGS)]
+    if failed:
+        log.warning("the broker does not describe topic configs (%r)", failed[0])
+    elif errors:
+        log.info("the broker has no DescribeConfigs (%r): %s unknown", errors[0], MAX_MESSAGE_BYTES)
+    else:
+        log.info(
+            "the broker reports no %s for %s: dead letters are sized by the producer's limit",
+            MAX_MESSAGE_BYTES,
+            ", ".join(unknown),
+        )
 
 
 async def ensure_topics(settings: KafkaSettings) -> TopicLimits:
@@ -138,9 +164,8 @@ async def ensure_topics(settings: KafkaSettings) -> TopicLimits:
             await _create(admin, settings, [settings.request_topic], requests, {})
             counts = await _wait_for_topics(admin, [settings.request_topic])
             missing.remove(settings.request_topic)
-        request_limit = (await _max_message_bytes(admin, [settings.request_topic])).get(
-            settings.request_topic
-        )
+        of_requests = await _max_message_bytes(admin, [settings.request_topic])
+        request_limit = of_requests.found.get(settings.request_topic)
         if missing:
             dlq_config = {} if request_limit is None else {MAX_MESSAGE_BYTES: str(request_limit)}
             others = [t for t in missing if t != settings.dlq_topic]
@@ -157,7 +182,9 @@ async def ensure_topics(settings: KafkaSettings) -> TopicLimits:
                     f"has {requests}: results are written to the request's partition, so it "
                     "needs at least as many"
                 )
-        dlq_limit = (await _max_message_bytes(admin, [settings.dlq_topic])).get(settings.dlq_topic)
+        of_dlq = await _max_message_bytes(admin, [settings.dlq_topic])
+        dlq_limit = of_dlq.found.get(settings.dlq_topic)
+        _say_unknown_limits([of_requests, of_dlq], [settings.request_topic, settings.dlq_topic])
         if request_limit is not None and dlq_limit is not None and dlq_limit < request_limit:
             log.warning(
                 "%s accepts records of up to %d bytes but %s only %d: larger dead letters are "

@@ -14,8 +14,8 @@ import logging
 from kvgate.admission_service.executor_client import Connector, EpochClock
 from kvgate.admission_service.executor_handle import ExecutorHandle, PoolObserver, SessionSettings
 from kvgate.admission_service.metrics import ExecutorGauge
-from kvgate.admission_service.scheduler.config import SchedulerConfig
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState, ExecutorStatus
+from kvgate.scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,13 @@ Counters are incremented where things happen; gauges that describe current state
 running requests, KV blocks, executors by state, consumer lag, Kafka reachability) are read from
 the live objects at scrape time by a collector, so they can never drift from the truth.
 
+Beside the ``kvgate_*`` series, the service exports the names dashboards, KEDA scalers and the
+Gateway API Inference Extension read from vLLM (``vllm:*``, labelled ``model_name`` and
+``engine`` = the executor's name, as vLLM labels each engine): waiting and running requests, KV
+cache usage (0–1), prefix-cache queries and hits (tokens), preemptions, and the time to first
+token, inter-token, end-to-end and queue time histograms. docs/observability.md lists them and
+how each is measured here.
+
 Leak checks read two views of every executor: what the service's scheduler accounts for
 (``kv_blocks_used``, ``host_snapshot_blocks_used``) and what the executor itself reported holding
 after its last step (``executor_held_*``, from ``StepResult.counters``). Once the service is idle
@@ -12,19 +19,39 @@ all of them are zero; a request, block or snapshot left behind on either side sh
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from kvgate.admission_service.scheduler.events import StepReport
+from kvgate.protocol.metric_labels import PRIORITY_LABEL, priority_label
 from kvgate.protocol.records import InferenceResult
 from kvgate.protocol.step import ExecutorCounters
+from kvgate.scheduler.events import StepReport
 
-# Distinct priorities with a label of their own on the latency metrics (the rest: "other").
-PRIORITY_CLASSES = 16
+# How prometheus_client writes a bucket's "le" (untyped there).
+_le_label = cast(Callable[[float], str], floatToGoString)
+
+UNPLACED = "(unplaced)"  # the executor label of requests not on any executor yet
+VLLM_LABELS = ("model_name", "engine")
+# vLLM's own buckets, so quantiles computed from either agree.
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_INTER_TOKEN_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -56,8 +83,9 @@ class StateSnapshot:
 
 
 class _StateCollector(Collector):
-    def __init__(self, read: Callable[[], StateSnapshot]) -> None:
+    def __init__(self, read: Callable[[], StateSnapshot], model_name: str) -> None:
         self._read = read
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._read()
@@ -138,6 +166,73 @@ class _StateCollector(Collector):
             stalled.add_metric([str(partition)], snapshot.stalled_s.get(partition, 0.0))
         yield from (queue, waiting, running, used, total, state, lag, paused)
         yield from (host, *held.values(), in_flight, kafka, unwritten, stalled)
+        yield from self._vllm_gauges(snapshot)
+
+    def _vllm_gauges(self, snapshot: StateSnapshot) -> Iterator[Metric]:
+        """vLLM's scheduler gauges, one series per executor ("engine"); requests not on any
+        executor yet count as waiting under engine "(unplaced)", so sums are the pool's."""
+        labels = ["model_name", "engine"]
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "requests waiting (vLLM-compatible)", labels=labels
+        )
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "requests running (vLLM-compatible)", labels=labels
+        )
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "fraction of KV cache blocks in use, 0 to 1 (vLLM-compatible)",
+            labels=labels,
+        )
+        waiting.add_metric([self._model, UNPLACED], snapshot.unplaced)
+        for ex in snapshot.executors:
+            waiting.add_metric([self._model, ex.name], ex.waiting)
+            running.add_metric([self._model, ex.name], ex.running)
+            if ex.kv_blocks_total:
+                usage.add_metric([self._model, ex.name], ex.kv_blocks_used / ex.kv_blocks_total)
+        yield from (waiting, running, usage)
+
+
+class TokenHistogram(Collector):
+    """A histogram observed once per output token, labelled (model_name, engine).
+
+    ``prometheus_client.Histogram`` resolves its labels and takes locks on every ``observe``:
+    about a quarter of the service's CPU per decode step (``benchmarks/bench_step_path.py``:
+    4.4 → 3.2 ms per 240-row step; docs/benchmarks.md). Here an observation is one ``bisect``
+    and two additions, about 5× cheaper; buckets are made cumulative at scrape time. No lock:
+    observations and scrapes both run on the service's event loop (the admin endpoint calls
+    ``generate_latest`` there). The exposition is the one ``Histogram`` writes (``_bucket``
+    with ``le``, ``_count``, ``_sum``), without ``_created``.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        assert list(buckets) == sorted(buckets), "bucket bounds must ascend"
+        self._name = name
+        self._documentation = documentation
+        self._bounds = buckets
+        self._le = [_le_label(b) for b in buckets] + ["+Inf"]
+        # (model_name, engine) -> per-bucket counts (last: above every bound) and their sum
+        self._counts: dict[tuple[str, str], list[int]] = {}
+        self._sums: dict[tuple[str, str], float] = {}
+
+    def observe(self, labels: tuple[str, str], value: float) -> None:
+        counts = self._counts.get(labels)
+        if counts is None:
+            counts = self._counts[labels] = [0] * (len(self._bounds) + 1)
+            self._sums[labels] = 0.0
+        # bisect_left: the first bound >= value, as Prometheus' "le" (less or equal) counts it
+        counts[bisect_left(self._bounds, value)] += 1
+        self._sums[labels] += value
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=list(VLLM_LABELS))
+        for labels, counts in self._counts.items():
+            cumulative: list[tuple[str, float]] = []
+            total = 0
+            for le, count in zip(self._le, counts, strict=True):
+                total += count
+                cumulative.append((le, total))
+            family.add_metric(list(labels), cumulative, self._sums[labels])
+        yield family
 
 
 class ServiceMetrics:
@@ -204,6 +299,22 @@ class ServiceMetrics:
             "kvgate_admission_kafka_outages", "times Kafka stopped answering health checks",
             registry=r,
         )  # fmt: skip
+        self.placement_moves = Counter(
+            "kvgate_admission_placement_moves",
+            "waiting requests moved to an executor that freed up or joined (placement)",
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "kvgate_admission_prefix_cache_hit_tokens",
+            "prompt tokens found in the executor's prefix cache when a request started there",
+            ["executor"], registry=r,
+        )  # fmt: skip
+        self.prefix_miss_tokens = Counter(
+            "kvgate_admission_prefix_cache_miss_tokens",
+            "prompt tokens looked up and not found in the executor's prefix cache (computed)",
+            ["executor"], registry=r,
+        )  # fmt: skip
+        self._vllm_metrics(r)
         self.step_round_trip = Histogram(
             "kvgate_admission_step_round_trip_seconds",
             "plan sent to result received",
@@ -212,8 +323,8 @@ class ServiceMetrics:
         )
 
         # Request latencies and token counts, by served model (one per service: the name that
-        # clients and spans use, telemetry.model_name) and priority class (_priority_label).
-        by_priority = ["model", "priority"]
+        # clients and spans use, telemetry.model_name) and priority (the gateway's labels too).
+        by_priority = ["model", PRIORITY_LABEL]
         self.queue_time = Histogram(
             "kvgate_admission_request_queue_time_seconds",
             "read from Kafka to first admitted to an executor",
@@ -242,12 +353,57 @@ class ServiceMetrics:
             "kvgate_admission_generation_tokens", "output tokens of answered requests",
             by_priority, registry=r,
         )  # fmt: skip
-        self._priority_labels: dict[int, str] = {}
+
+    def _vllm_metrics(self, r: CollectorRegistry) -> None:
+        """vLLM's names (see the module docstring); observed per executor ("engine")."""
+        labels = list(VLLM_LABELS)
+        self.vllm_prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "prefix cache queries, in prompt tokens looked up",
+            labels, registry=r,
+        )  # fmt: skip
+        self.vllm_prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "prefix cache hits, in prompt tokens found cached",
+            labels, registry=r,
+        )  # fmt: skip
+        self.vllm_preemptions = Counter("vllm:num_preemptions", "preemptions", labels, registry=r)
+        # Observed per output token: TokenHistogram (see there).
+        self.vllm_ttft = TokenHistogram(
+            "vllm:time_to_first_token_seconds",
+            "read from Kafka to the first output token",
+            VLLM_TTFT_BUCKETS,
+        )
+        self.vllm_inter_token = TokenHistogram(
+            "vllm:inter_token_latency_seconds",
+            "time between consecutive output tokens",
+            VLLM_INTER_TOKEN_BUCKETS,
+        )
+        r.register(self.vllm_ttft)
+        r.register(self.vllm_inter_token)
+        self.vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "read from Kafka to the last output token",
+            labels, buckets=VLLM_REQUEST_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.vllm_queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "read from Kafka to first admitted",
+            labels, buckets=VLLM_REQUEST_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def observe_token(self, executor: str, since_read_s: float, since_last_s: float | None) -> None:
+        """An output token on ``executor``: the first (``since_last_s`` None) or a next one."""
+        if since_last_s is None:
+            self.vllm_ttft.observe((self._model, executor), since_read_s)
+        else:
+            self.vllm_inter_token.observe((self._model, executor), since_last_s)
+
+    def observe_finished(self, executor: str, latency_s: float, queued_s: float | None) -> None:
+        self.vllm_e2e.labels(self._model, executor).observe(latency_s)
+        if queued_s is not None:
+            self.vllm_queue_time.labels(self._model, executor).observe(queued_s)
 
     def observe_result(self, priority: int, result: InferenceResult) -> None:
         """Latencies and token counts of one answered request (rejections included in the
         end-to-end latency only: they never queued)."""
-        labels = (self._model, self._priority_label(priority))
+        labels = (self._model, priority_label(priority))
         timings = result.timings
         self.end_to_end.labels(*labels, result.status.value).observe(timings.end_to_end_s)
         if timings.queued_s is not None:
@@ -262,22 +418,22 @@ class ServiceMetrics:
         self.prompt_tokens.labels(*labels).inc(result.usage.prompt_tokens)
         self.generation_tokens.labels(*labels).inc(result.usage.completion_tokens)
 
-    def _priority_label(self, priority: int) -> str:
-        """The first PRIORITY_CLASSES distinct priorities seen get their own label, later
-        ones share "other": priorities span thousands of values, label sets must not."""
-        label = self._priority_labels.get(priority)
-        if label is None:
-            label = str(priority) if len(self._priority_labels) < PRIORITY_CLASSES else "other"
-            if label != "other":
-                self._priority_labels[priority] = label
-        return label
-
     def bind_state(self, read: Callable[[], StateSnapshot]) -> None:
-        self.registry.register(_StateCollector(read))
+        self.registry.register(_StateCollector(read, self._model))
 
-    def observe_step(self, report: StepReport) -> None:
+    def observe_step(self, report: StepReport, executor: str) -> None:
         for preemption in report.preemptions:
             self.preemptions.labels(mode=preemption.mode.value).inc()
+        if report.preemptions:
+            self.vllm_preemptions.labels(self._model, executor).inc(len(report.preemptions))
+        if report.prefix_queried_tokens:
+            hits = report.prefix_hit_tokens
+            self.prefix_hit_tokens.labels(executor=executor).inc(hits)
+            self.prefix_miss_tokens.labels(executor=executor).inc(
+                report.prefix_queried_tokens - hits
+            )
+            self.vllm_prefix_queries.labels(self._model, executor).inc(report.prefix_queried_tokens)
+            self.vllm_prefix_hits.labels(self._model, executor).inc(hits)
         self.bypass_limit.set(report.bypass_limit)
         if report.bypassed:
             self.bypasses.inc(len(report.bypassed))

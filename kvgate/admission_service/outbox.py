@@ -1,6 +1,14 @@
-"""Delivery: answers, dead letters and token chunks out; consumed offsets committed.
+"""Delivery: answers and dead letters out; consumed offsets committed; token chunks streamed.
 
-Commit cycles run every ``commit_interval_ms`` (sooner when much is pending). A partition whose
+Token chunks do not wait for a commit cycle: ``token`` hands them to the token stream
+(``token_stream.py``: sent at once, at-least-once, idempotent by request id and index — why
+that is all a chunk of a running request can be, and what a crash does, is said there). A
+chunk whose send fails comes back here and goes out with the next cycle.
+
+Commit cycles run every ``commit_interval_ms`` (sooner when much is pending), and at once when
+an answer with a reply address is pending — someone waits for it; a cycle under way finishes
+first, and the next one takes everything that came meanwhile, so under load cycles run back
+to back and each carries more. A partition whose
 cycle failed sits out the regular cycles for a jittered delay that doubles from
 ``commit_interval_ms`` up to ``COMMIT_RETRY_MAX_S`` (``kvgate/backoff.py``), so an outage is not
 met with a retry storm; its answers wait, nothing is lost. Per request partition ``p`` one cycle
@@ -9,7 +17,8 @@ does:
 exactly-once (transactions; one producer per request partition, transactional id
 ``<prefix>.<request topic>.<p>``)::
 
-    begin → send p's results / dead letters / tokens → send_offsets(p's commit point)
+    begin → send p's results / dead letters (and retried token chunks)
+          → send_offsets(p's commit point)
           → commit        (nothing is visible to read_committed consumers before this)
 
     crash before commit   the transaction is aborted (at the latest when the partition's next
@@ -17,7 +26,8 @@ exactly-once (transactions; one producer per request partition, transactional id
                           this one); the requests run again there; no answer is seen twice
     crash after commit    answers and offsets are both durable; nothing runs again
 
-at-least-once (``exactly_once`` off, e.g. on Tansu; one idempotence-free producer)::
+at-least-once (``exactly_once`` off, e.g. on Tansu; the idempotence-free producer the token
+stream uses too)::
 
     send p's records, wait for acks=all → commit the consumer offset (with metadata)
 
@@ -63,16 +73,15 @@ from kvgate.admission_service.faults import BEFORE_COMMIT, CrashPoints
 from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import CommitPoint, PartitionLedger
-from kvgate.admission_service.replies import (
-    RESULT_KIND,
-    TOKEN_KIND,
-    ReplyRoutes,
-    reply_headers,
-)
+from kvgate.admission_service.out_records import OutRecord, reply_record
+from kvgate.admission_service.replies import ReplyRoutes
 from kvgate.admission_service.settings import KafkaSettings
+from kvgate.admission_service.token_stream import TokenStream
 from kvgate.admission_service.validation import RawRecord, Rejection
 from kvgate.backoff import jittered_delay_s
 from kvgate.protocol.records import (
+    REPLY_KIND_RESULT,
+    REPLY_KIND_TOKEN,
     TRACEPARENT_HEADER,
     DeadLetter,
     InferenceResult,
@@ -96,10 +105,6 @@ def _ignore_fencing(partition: int) -> None:
     """The default ``on_fenced``: nothing else to tell."""
 
 
-def _reply_record(reply: ReplyTo, key: bytes, value: bytes, kind: bytes) -> OutRecord:
-    return OutRecord(reply.topic, reply.partition, key, value, reply_headers(kind), reply=True)
-
-
 def _skipped_future(record: OutRecord) -> asyncio.Future[RecordMetadata]:
     """The outcome of a reply copy that was not sent (unroutable): done, so that it neither
     holds its request's offset back nor is sent again."""
@@ -107,17 +112,6 @@ def _skipped_future(record: OutRecord) -> asyncio.Future[RecordMetadata]:
     tp = TopicPartition(record.topic, record.partition or 0)
     future.set_result(RecordMetadata(record.topic, tp.partition, tp, -1, -1, 0, 0))
     return future
-
-
-@dataclass(frozen=True, slots=True)
-class OutRecord:
-    topic: str
-    partition: int | None
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
-    letter: DeadLetter | None = None  # on a dead letter: what its headers say
-    reply: bool = False  # a copy to a reply address: skipped when unroutable (replies.py)
 
 
 @dataclass(slots=True)
@@ -185,18 +179,20 @@ class Outbox:
         self._pending: dict[int, list[_Entry]] = {}
         self._stalls: dict[int, _Stall] = {}
         self._producers: dict[int, AIOKafkaProducer] = {}  # per partition (transactional)
+        # Plain: the token stream's, and the cycles' too when there are no transactions.
         self._shared: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
         self._soon = asyncio.Event()
         self._stopping = False
         self._num_pending = 0  # records
         self.reply_routes = ReplyRoutes()
+        self.stream = TokenStream(self.reply_routes, self._token_failed)
 
     # ----------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        if not self.transactional:
-            self._shared = self._new_producer(None)
-            await self._shared.start()
+        self._shared = self._new_producer(None)
+        await self._shared.start()
+        self.stream.attach(self._shared)
 
     async def close(self) -> None:
         async with self._lock:
@@ -249,11 +245,6 @@ class Outbox:
     # ------------------------------------------------------------------------- health
     def _unwritten(self, partition: int) -> int:
         return sum(1 for e in self._pending.get(partition, ()) if e.offset is not None)
-
-    @property
-    def num_unwritten(self) -> int:
-        """Answers made and not yet durable, over all partitions."""
-        return sum(self._unwritten(p) for p in self._pending)
 
     def unwritten_by_partition(self) -> dict[int, int]:
         return {p: self._unwritten(p) for p in self.ledgers}
@@ -309,7 +300,7 @@ class Outbox:
             OutRecord(self.settings.result_topic, result.source.partition, key, value, headers)
         ]
         if reply is not None:
-            records.append(_reply_record(reply, key, value, RESULT_KIND))
+            records.append(reply_record(reply, key, value, REPLY_KIND_RESULT))
         self._add(result.source, records)
 
     def reject(
@@ -329,7 +320,7 @@ class Outbox:
             value = result.model_dump_json(exclude_none=True).encode()
             out.append(OutRecord(self.settings.result_topic, record.partition, key, value, []))
             if rejection.reply is not None:
-                out.append(_reply_record(rejection.reply, key, value, RESULT_KIND))
+                out.append(reply_record(rejection.reply, key, value, REPLY_KIND_RESULT))
         self.metrics.dead_letters.inc()
         source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
         self._add(source, out)
@@ -359,6 +350,7 @@ class Outbox:
         )
 
     def token(self, source: SourceRef, chunk: TokenChunk, reply: ReplyTo | None = None) -> None:
+        """Stream ``chunk`` now (``token_stream.py``), not with the next commit cycle."""
         if source.partition not in self.ledgers:
             return
         key = chunk.request_id.encode()
@@ -367,12 +359,19 @@ class Outbox:
         if self.settings.token_topic is not None:
             records.append(OutRecord(self.settings.token_topic, source.partition, key, value, []))
         if reply is not None and reply.tokens:
-            records.append(_reply_record(reply, key, value, TOKEN_KIND))
-        if not records:
+            records.append(reply_record(reply, key, value, REPLY_KIND_TOKEN))
+        if records:
+            self.stream.put(source.partition, records)
+
+    def _token_failed(self, partition: int, record: OutRecord, error: BaseException) -> None:
+        """A chunk the stream could not write goes out with ``partition``'s next commit cycle
+        (and is retried there), unless the partition has left: its next owner streams it."""
+        if partition not in self.ledgers:
             return
-        entry = _Entry(None, records, self.settings.result_topic)
-        self._pending.setdefault(source.partition, []).append(entry)
-        self._count(len(records))
+        log.warning("a token chunk was not streamed (%r); the next commit cycle sends it", error)
+        entry = _Entry(None, [record], self.settings.result_topic)
+        self._pending.setdefault(partition, []).append(entry)
+        self._count(1)
 
     def _add(self, source: SourceRef, records: list[OutRecord]) -> None:
         entry = _Entry(source.offset, records, self.settings.result_topic)
@@ -382,6 +381,8 @@ class Outbox:
             return
         self._pending.setdefault(source.partition, []).append(entry)
         self._count(len(records))
+        if any(r.reply for r in records):
+            self._soon.set()  # somebody waits for this answer: commit it now
 
     def _count(self, records: int) -> None:
         self._num_pending += records
@@ -407,17 +408,28 @@ class Outbox:
 
     # ------------------------------------------------------------------- commit cycles
     async def run(self) -> None:
-        """Commit cycles until ``stop_soon``; the cycle under way always completes."""
+        """Commit cycles and the token stream until ``stop_soon``; the cycle under way always
+        completes, and chunks already made are still handed to the producer."""
+        streaming = asyncio.create_task(self.stream.run(), name="token-stream")
         interval_s = self.settings.commit_interval_ms / 1000
-        while not self._stopping:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._soon.wait(), interval_s)
-            self._soon.clear()
-            await self.flush()
+        try:
+            while not self._stopping:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._soon.wait(), interval_s)
+                self._soon.clear()
+                await self.flush()
+        finally:
+            self.stream.stop_soon()
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                streaming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await streaming
 
     def stop_soon(self) -> None:
         """End ``run`` after the current cycle (shutdown then runs the last ones itself)."""
         self._stopping = True
+        self.stream.stop_soon()
         self._soon.set()
 
     async def flush(self) -> None:

@@ -26,8 +26,6 @@ from kvgate.protocol.records import REPLY_KIND_HEADER
 
 log = logging.getLogger(__name__)
 
-RESULT_KIND: Final = b"result"
-TOKEN_KIND: Final = b"token"
 _LOOKUP_TIMEOUT_S: Final = 2.0
 _UNKNOWN_TOPIC_RETRY_S: Final = 30.0  # how long a topic found missing stays skipped
 

@@ -48,15 +48,15 @@ from kvgate.admission_service.kafka_health import KafkaHealth
 from kvgate.admission_service.kafka_io import (
     KafkaSetupError,
     TopicLimits,
-    client_options,
     ensure_topics,
     exactly_once_enabled,
 )
 from kvgate.admission_service.metrics import ServiceMetrics, StateSnapshot
 from kvgate.admission_service.outbox import Outbox
-from kvgate.admission_service.settings import ServiceSettings, SettingsError
+from kvgate.admission_service.settings import ServiceSettings
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
 from kvgate.admission_service.tracing import ServiceTracer
+from kvgate.kafka_connection import SettingsError, client_options
 from kvgate.protocol.admin import QueueLoad
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,9 @@ class AdmissionService:
         self.metrics = ServiceMetrics(settings.telemetry.model_name)
         self.tokenizer: TextCodec | None = None
         if settings.limits.tokenizer_file is not None:
-            self.tokenizer = load_tokenizer(settings.limits.tokenizer_file)
+            self.tokenizer = load_tokenizer(
+                settings.limits.tokenizer_file, settings.limits.tool_call_parser
+            )
         executors = settings.executors
         self._http: aiohttp.ClientSession | None = None
         if connector is None:
@@ -96,7 +98,7 @@ class AdmissionService:
                 step_timeout_s=executors.step_timeout_s,
             )
             if executors.tokenizer_from_executors:
-                pool_tokenizer = PoolTokenizer()
+                pool_tokenizer = PoolTokenizer(settings.limits.tool_call_parser)
                 self.tokenizer = pool_tokenizer
                 connector = TokenizerCheckingConnector(
                     connector,
@@ -119,6 +121,8 @@ class AdmissionService:
             token_stream=settings.kafka.token_topic is not None,
             abort_memory_s=settings.limits.abort_memory_s,
             timeline_steps=timeline_steps,
+            placement=settings.placement,
+            tenants=settings.tenants,
         )
         self._connector = connector
         self._tracer = ServiceTracer(tracer, settings.telemetry.model_name)
@@ -241,8 +245,9 @@ class AdmissionService:
             healthy=lambda: self._failed is None,
             outage=self._outage,
             queue=self._queue_load,
+            limits=admin.http_limits,
         )
-        self._runner = web.AppRunner(api.app(), access_log=None)
+        self._runner = api.runner()
         await self._runner.setup()
         site = web.TCPSite(self._runner, admin.host, admin.port)
         await site.start()

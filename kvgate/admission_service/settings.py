@@ -1,11 +1,14 @@
 """The admission service's settings: one typed model, read from a YAML file and ``KVGATE_*``.
 
 Sources, strongest first: ``KVGATE_<SECTION>__<KEY>`` environment variables (for example
-``KVGATE_KAFKA__BOOTSTRAP_SERVERS``), then the YAML file given with ``--config``, then the
-defaults below. The file's top-level sections are the ones the operator writes into the pool's
-ConfigMap (``kafka``, ``scheduler``, ``admin``, ``executors``, ``telemetry``) plus ``limits`` and
-``shutdown``. Unknown keys are errors, and :func:`load_settings` turns every problem into one
-line naming the setting (``kafka.session_timeout_ms: ...``), so a bad file fails at start.
+``KVGATE_KAFKA__BOOTSTRAP_SERVERS``), then the YAML file given with ``--config``, then a
+caller's own defaults (``load_settings(defaults=...)``: the local stack's), then the defaults
+below; ``load_settings``' overrides rank above all of them. The file's top-level sections are
+the ones the operator writes into the pool's ConfigMap (``kafka``, ``scheduler``, ``admin``,
+``executors``, ``telemetry``) plus ``limits``, ``shutdown``, ``placement`` (where requests go:
+``placement.py``) and ``tenants`` (quotas: ``quotas.py``). Unknown keys are errors, and
+:func:`load_settings` turns every problem into one line naming the setting
+(``kafka.session_timeout_ms: ...``), so a bad file fails at start.
 
 Secrets never need to be in the file: the SASL password, admin token and executor token can each
 be given as a ``*_file`` path (a mounted Kubernetes Secret) or through the environment.
@@ -24,7 +27,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -32,18 +34,18 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvgate.admission_service.scheduler.config import SchedulerConfig
+from kvgate.admission_service.placement import PlacementSettings
+from kvgate.admission_service.quotas import TenantsSettings
+from kvgate.admission_service.tool_parsers import ToolCallFormat
+from kvgate.kafka_connection import KafkaConnection, NonEmptySecret, SettingsError, read_secret
 from kvgate.protocol import topics
 from kvgate.protocol.admin import ExecutorSpec
-from kvgate.protocol.enums import SaslMechanism, SecurityProtocol
+from kvgate.scheduler.config import SchedulerConfig
+from kvgate.web.guard import HttpLimits
 
 ENV_PREFIX = "KVGATE_"
 TopicName = Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")]
 PositiveSeconds = Annotated[float, Field(gt=0.0)]
-
-
-class SettingsError(ValueError):
-    """Settings that cannot be used; the message names every bad setting, one per line."""
 
 
 class _Section(BaseModel):
@@ -68,22 +70,10 @@ class OffsetReset(StrEnum):
     LATEST = "latest"
 
 
-def _read_secret(inline: SecretStr | None, path: Path | None, what: str) -> str | None:
-    if inline is not None:
-        return inline.get_secret_value()
-    if path is None:
-        return None
-    try:
-        value = path.read_text().strip()
-    except OSError as exc:
-        raise SettingsError(f"{what}: cannot read {path}: {exc.strerror}") from exc
-    if not value:
-        raise SettingsError(f"{what}: {path} is empty")
-    return value
+class KafkaSettings(KafkaConnection):
+    """The service's Kafka section: the connection (servers, TLS, SASL: ``KafkaConnection``,
+    shared with the gateway and the clients), its topics, consumer group and delivery."""
 
-
-class KafkaSettings(_Section):
-    bootstrap_servers: Annotated[str, Field(pattern=r"^[^\s,]+(,[^\s,]+)*$")]
     request_topic: TopicName = topics.REQUESTS
     result_topic: TopicName = topics.RESULTS
     token_topic: TopicName | None = None  # the optional token stream
@@ -105,7 +95,11 @@ class KafkaSettings(_Section):
     heartbeat_interval_ms: Annotated[int, Field(ge=100)] = 3000
     max_poll_interval_ms: Annotated[int, Field(ge=1000)] = 300000
     max_poll_records: Annotated[int, Field(ge=1, le=100000)] = 500
-    request_timeout_ms: Annotated[int, Field(ge=1000)] = 30000
+    # How long the broker may hold a fetch of requests that found nothing new. Kafka answers as
+    # soon as a request arrives (fetch_min_bytes 1), so this only sets how often an idle
+    # consumer asks; a broker that holds an empty fetch for its whole wait (Tansu) adds up to
+    # this much to every request's latency: the local stack sets a few milliseconds.
+    fetch_max_wait_ms: Annotated[int, Field(ge=1, le=10000)] = 500
     # How often finished work is committed (results + consumed offsets, one transaction).
     commit_interval_ms: Annotated[int, Field(ge=1, le=60000)] = 100
     # Commit cycles of a partition that keep failing this long fail readiness (/readyz names
@@ -119,15 +113,6 @@ class KafkaSettings(_Section):
     # (or failing) marks Kafka unreachable, which /readyz reports until a check succeeds.
     health_check_interval_s: PositiveSeconds = 2.0
     health_check_timeout_s: PositiveSeconds = 5.0
-    security_protocol: SecurityProtocol = SecurityProtocol.PLAINTEXT
-    sasl_mechanism: SaslMechanism | None = None
-    sasl_username: str | None = None
-    sasl_password: NonEmptySecret | None = None
-    sasl_password_file: Path | None = None
-    ssl_cafile: Path | None = None
-    ssl_certfile: Path | None = None
-    ssl_keyfile: Path | None = None
-    ssl_check_hostname: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -136,23 +121,6 @@ class KafkaSettings(_Section):
                 f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be below "
                 f"session_timeout_ms ({self.session_timeout_ms})"
             )
-        uses_sasl = self.security_protocol in (
-            SecurityProtocol.SASL_PLAINTEXT,
-            SecurityProtocol.SASL_SSL,
-        )
-        if uses_sasl and (self.sasl_mechanism is None or not self.sasl_username):
-            raise ValueError(
-                f"security_protocol {self.security_protocol} needs sasl_mechanism and sasl_username"
-            )
-        if uses_sasl and self.sasl_password is None and self.sasl_password_file is None:
-            raise ValueError("SASL needs sasl_password or sasl_password_file")
-        if not uses_sasl and self.sasl_mechanism is not None:
-            raise ValueError(
-                f"sasl_mechanism needs security_protocol SASL_PLAINTEXT or SASL_SSL, not "
-                f"{self.security_protocol}"
-            )
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("ssl_certfile and ssl_keyfile go together (mutual TLS)")
         topics = [self.request_topic, self.result_topic, self.abort_topic, self.dlq_topic]
         if self.token_topic is not None:
             topics.append(self.token_topic)
@@ -161,18 +129,8 @@ class KafkaSettings(_Section):
         return self
 
     @property
-    def uses_tls(self) -> bool:
-        return self.security_protocol in (SecurityProtocol.SSL, SecurityProtocol.SASL_SSL)
-
-    def sasl_password_value(self) -> str | None:
-        return _read_secret(self.sasl_password, self.sasl_password_file, "kafka.sasl_password")
-
-    @property
     def transactional_prefix(self) -> str:
         return self.transactional_id_prefix or self.group_id
-
-
-NonEmptySecret = Annotated[SecretStr, Field(min_length=1)]
 
 
 class AdminSettings(_Section):
@@ -182,10 +140,23 @@ class AdminSettings(_Section):
     port: Annotated[int, Field(ge=0, le=65535)] = 8080  # 0: any free port (tests)
     token: NonEmptySecret | None = None
     token_file: Path | None = None
+    # HTTP requests: the headers must arrive within head_timeout_s of their first byte and a
+    # body within body_timeout_s (408 after), of at most max_body_bytes (413 above).
+    head_timeout_s: PositiveSeconds = 10.0
+    body_timeout_s: PositiveSeconds = 30.0
+    max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 2**20)] = 2**20
 
     def token_value(self) -> str | None:
         """The bearer token mutations need; None means mutations are refused."""
-        return _read_secret(self.token, self.token_file, "admin.token")
+        return read_secret(self.token, self.token_file, "admin.token")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            max_body_bytes=self.max_body_bytes,
+            head_timeout_s=self.head_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+        )
 
 
 class ExecutorsSettings(_Section):
@@ -225,7 +196,7 @@ class ExecutorsSettings(_Section):
         return self
 
     def token_value(self) -> str | None:
-        return _read_secret(self.token, self.token_file, "executors.token")
+        return read_secret(self.token, self.token_file, "executors.token")
 
 
 class LimitsSettings(_Section):
@@ -241,6 +212,9 @@ class LimitsSettings(_Section):
     max_waiting_requests: Annotated[int, Field(ge=1)] = 4096
     resume_waiting_requests: Annotated[int, Field(ge=0)] | None = None
     tokenizer_file: Path | None = None  # enables text prompts and text in results
+    # How tool calls are read from an output when a request's tool_choice is auto: the format
+    # the chat template asks for (auto), or one named (tool_parsers.ToolCallFormat).
+    tool_call_parser: ToolCallFormat = ToolCallFormat.AUTO
     # Text prompts longer than this many characters are rejected before tokenizing (default:
     # 16 per allowed prompt token — more than any tokenizer packs into one token — so no
     # acceptable prompt is refused and no hopeless one costs tokenizer time).
@@ -334,6 +308,8 @@ class ServiceSettings(BaseSettings):
     limits: LimitsSettings = LimitsSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     shutdown: ShutdownSettings = ShutdownSettings()
+    placement: PlacementSettings = PlacementSettings()
+    tenants: TenantsSettings = TenantsSettings()
 
     @field_validator("scheduler", mode="before")
     @classmethod
@@ -387,15 +363,31 @@ def describe_validation_error(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _beneath(data: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` over ``defaults``, section by section: keys of a section merge, data's win."""
+    merged = {k: dict(v) if isinstance(v, Mapping) else v for k, v in defaults.items()}
+    for section, values in data.items():
+        base = merged.get(section)
+        if isinstance(base, dict) and isinstance(values, Mapping):
+            merged[section] = {**base, **values}
+        else:
+            merged[section] = values
+    return merged
+
+
 def load_settings(
-    path: Path | None = None, overrides: Mapping[str, Any] | None = None
+    path: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
 ) -> ServiceSettings:
-    """Settings from ``path`` (optional), the environment and ``overrides`` (strongest).
+    """Settings from, weakest first: ``defaults`` (a caller's own, under every other source),
+    ``path`` (optional), the environment, ``overrides``.
 
     Raises :class:`SettingsError` naming each bad setting.
     """
     data = read_settings_file(path) if path is not None else {}
-    token = _FILE_DATA.set(data)
+    token = _FILE_DATA.set(_beneath(data, defaults or {}))
     try:
         return ServiceSettings(**dict(overrides or {}))
     except ValidationError as exc:

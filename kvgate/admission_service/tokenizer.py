@@ -18,9 +18,12 @@ from kvgate.admission_service.chat import (
     ChatTemplateError,
     chat_template_from_config,
     load_chat_template,
+    resolve_format,
 )
+from kvgate.admission_service.tool_parsers import ToolCallFormat
 from kvgate.protocol.records import ChatMessage
 from kvgate.protocol.tokenizer_files import TokenizerFiles
+from kvgate.protocol.tools import ToolDefinition
 
 T = TypeVar("T")
 
@@ -30,8 +33,19 @@ class TextCodec(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+    def decode_with_special(self, token_ids: list[int]) -> str:
+        """The text with special tokens written out (tool-call markers are special tokens in
+        some models)."""
+        ...
+
+    def render_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolDefinition] | None = None
+    ) -> str:
         """Prompt text for a conversation; raises ChatTemplateError without a template."""
+        ...
+
+    def tool_call_format(self) -> ToolCallFormat:
+        """The format ``auto`` tool calls are parsed in (never ``auto``)."""
         ...
 
 
@@ -42,9 +56,15 @@ class TokenizerError(ValueError):
 class FileTokenizer:
     """A ``tokenizer.json``: encode without special tokens, decode skipping them."""
 
-    def __init__(self, tokenizer: Any, chat_template: ChatTemplate | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: ChatTemplate | None = None,
+        tool_call_format: ToolCallFormat = ToolCallFormat.AUTO,
+    ) -> None:
         self._tokenizer = tokenizer
         self._chat_template = chat_template
+        self._tool_call_format = resolve_format(chat_template, tool_call_format)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
@@ -52,16 +72,26 @@ class FileTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+    def decode_with_special(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def render_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolDefinition] | None = None
+    ) -> str:
         if self._chat_template is None:
             raise ChatTemplateError(
                 "this service's tokenizer has no chat template (tokenizer_config.json with "
                 "chat_template beside limits.tokenizer_file); send a prompt instead"
             )
-        return self._chat_template.render(messages)
+        return self._chat_template.render(messages, tools)
+
+    def tool_call_format(self) -> ToolCallFormat:
+        return self._tool_call_format
 
 
-def load_tokenizer(path: Path) -> FileTokenizer:
+def load_tokenizer(
+    path: Path, tool_call_format: ToolCallFormat = ToolCallFormat.AUTO
+) -> FileTokenizer:
     try:
         from tokenizers import Tokenizer  # noqa: PLC0415 — optional: only text prompts need it
     except ImportError as exc:
@@ -75,12 +105,14 @@ def load_tokenizer(path: Path) -> FileTokenizer:
     except Exception as exc:  # the library raises a bare Exception for malformed files
         raise TokenizerError(f"limits.tokenizer_file: {path} cannot be loaded: {exc}") from exc
     try:
-        return FileTokenizer(tokenizer, load_chat_template(path))
+        return FileTokenizer(tokenizer, load_chat_template(path), tool_call_format)
     except ChatTemplateError as exc:
         raise TokenizerError(f"limits.tokenizer_file: {exc}") from exc
 
 
-def tokenizer_from_files(files: TokenizerFiles, source: str) -> FileTokenizer:
+def tokenizer_from_files(
+    files: TokenizerFiles, source: str, tool_call_format: ToolCallFormat = ToolCallFormat.AUTO
+) -> FileTokenizer:
     """The tokenizer an executor served; ``source`` names it in errors."""
     try:
         from tokenizers import Tokenizer  # noqa: PLC0415 — optional: only text prompts need it
@@ -93,7 +125,8 @@ def tokenizer_from_files(files: TokenizerFiles, source: str) -> FileTokenizer:
     except Exception as exc:  # the library raises a bare Exception for malformed files
         raise TokenizerError(f"{source}: tokenizer.json cannot be loaded: {exc}") from exc
     try:
-        return FileTokenizer(tokenizer, chat_template_from_config(files.tokenizer_config))
+        template = chat_template_from_config(files.tokenizer_config)
+        return FileTokenizer(tokenizer, template, tool_call_format)
     except ChatTemplateError as exc:
         raise TokenizerError(f"{source}: {exc}") from exc
 

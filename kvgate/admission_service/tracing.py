@@ -15,9 +15,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
-from kvgate.admission_service.scheduler.events import StepReport
 from kvgate.protocol.records import InferenceRequest, InferenceResult, SourceRef
 from kvgate.protocol.step import StepPlan, StepResult
+from kvgate.scheduler.events import StepReport
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import context_from_traceparent
 

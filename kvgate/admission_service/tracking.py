@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from kvgate.admission_service.scheduler.events import FinishedEvent, TokenEvent
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import RequestProgress
+from kvgate.admission_service.choices import ChoiceGroup
 from kvgate.admission_service.tokenizer import TextCodec, TokenizerError
 from kvgate.admission_service.validation import RawRecord
 from kvgate.protocol.enums import FinishReason
@@ -27,6 +25,9 @@ from kvgate.protocol.records import (
     TokenLogprob,
     Usage,
 )
+from kvgate.protocol.step import TokenLogprob as SampledLogprob
+from kvgate.scheduler.events import FinishedEvent, TokenEvent
+from kvgate.scheduler.request import RequestProgress, RequestSpec
 
 _STATUS = {
     FinishReason.STOP: ResultStatus.COMPLETED,
@@ -53,16 +54,25 @@ class Tracked:
     progress: RequestProgress | None = None  # set while waiting to resume elsewhere
     admitted_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     tokens_out: int = 0
     failures: int = 0  # executors that failed while it was on them
+    moves: int = 0  # times placement moved it to another executor before it started
     handed_off: bool = False  # its partition was revoked: another instance answers it
     output_token_ids: list[int] = field(default_factory=list)  # kept when it has stop strings
     stop_text: str | None = None  # the text before the stop string that ended it
     logprobs: list[OutputLogprobs] = field(default_factory=list)  # when asked for, by index
+    # n > 1: which choice this is (its scheduler id is ``choices.choice_id``) and the request's
+    # choices, shared by every choice's Tracked.
+    choice: int = 0
+    group: ChoiceGroup | None = None
+    # Prompt scoring: position -> (log-probability, alternatives), as fill rows report them.
+    prompt_scores: dict[int, tuple[float, list[SampledLogprob]]] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
-        return self.request.request_id
+        """The scheduler's id: the request's, or ``<id>#<c>`` for choice ``c > 0``."""
+        return self.spec.request_id
 
     @property
     def traceparent(self) -> str | None:

@@ -7,7 +7,8 @@ Checks, in order (the first failure decides the reason)::
     → text prompt or messages only with a tokenizer, and ≤ max_prompt_chars → stop strings
     only with a tokenizer → (text: messages through the chat template, then tokenized, off the
     event loop, see ``intake.py``) → prompt ≤ max_prompt_tokens → max_tokens ≤ limit
-    → priority in [priority_min, priority_max]
+    → priority in [priority_min, priority_max] → the structured output or forced tool call's
+    grammar accepted by the grammar engine (compiled once per distinct grammar, cached)
 
 Capacity (fits an executor's cache, token ids inside its vocabulary) and duplicate in-flight ids
 are checked where that knowledge lives, at placement. A rejection carries the request id when
@@ -24,9 +25,10 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from kvgate.admission_service.chat import ChatTemplateError
-from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.tokenizer import TextCodec
+from kvgate.admission_service.tool_calls import request_grammar
+from kvgate.grammar import grammar_problem
 from kvgate.protocol.records import (
     REQUEST_ID_PATTERN,
     SCHEMA_VERSION,
@@ -37,6 +39,7 @@ from kvgate.protocol.records import (
     ReplyTo,
 )
 from kvgate.protocol.step import LoopParams, SamplingParams
+from kvgate.scheduler.request import RequestSpec
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
@@ -265,7 +268,7 @@ def check_request(
 
 def _text_chars(request: InferenceRequest) -> int:
     if request.messages is not None:
-        return sum(len(message.content) for message in request.messages)
+        return sum(len(message.content or "") for message in request.messages)
     return len(request.prompt or "")
 
 
@@ -273,7 +276,7 @@ def prompt_token_ids(codec: TextCodec, request: InferenceRequest) -> list[int]:
     """A text request's prompt tokens: its text, or its messages through the chat template
     (raises ChatTemplateError). Slow for long texts: the service runs it off its event loop."""
     if request.messages is not None:
-        return codec.encode(codec.render_chat(request.messages))
+        return codec.encode(codec.render_chat(request.messages, request.tools))
     assert isinstance(request.prompt, str)
     return codec.encode(request.prompt)
 
@@ -333,6 +336,12 @@ def _checked(
             rid,
             request.reply,
         )
+    grammar = request_grammar(request)
+    if grammar is not None:
+        problem = grammar_problem(grammar)
+        if problem is not None:
+            what = "the forced tool call" if request.forces_tool_call else "structured_output"
+            return Rejection(RejectCode.STRUCTURED_OUTPUT, f"{what}: {problem}", rid, request.reply)
     return Accepted(request, token_ids)
 
 
@@ -344,7 +353,8 @@ def _classify_bad_request(record: RawRecord, max_bytes: int) -> Rejection:
     request_id = _readable_id(body.get("request_id")) or _key_id(record)
     reply = _readable_reply(body)
     try:
-        InferenceRequest.model_validate(body)
+        # From JSON text, as the hot path parses: object keys (logit_bias's token ids) are text.
+        InferenceRequest.model_validate_json(json.dumps(body))
     except ValidationError as exc:
         return Rejection(RejectCode.SCHEMA, describe_schema_error(exc), request_id, reply)
     # JSON that parses as a dict and validates as one, but not from bytes: e.g. duplicate keys.
@@ -364,10 +374,12 @@ def validate_abort(record: RawRecord, max_bytes: int) -> AbortRequest | Rejectio
 
 
 def build_spec(accepted: Accepted, traceparent: str | None) -> RequestSpec:
-    """The scheduler's view of an accepted request.
+    """The scheduler's view of an accepted request (choice 0's, for ``n > 1``).
 
     The step protocol's SamplingParams/LoopParams are built without validating again:
-    ``InferenceRequest`` enforced the same bounds on the same fields at the boundary.
+    ``InferenceRequest`` enforced the same bounds on the same fields at the boundary. A request
+    that only scores its prompt (``max_tokens: 0``) runs with one output, which its result drops
+    (``outputs.shaped``): the scheduler finishes a request on a token.
     """
     request = accepted.request
     sampling = request.sampling
@@ -379,10 +391,19 @@ def build_spec(accepted: Accepted, traceparent: str | None) -> RequestSpec:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
+            min_p=sampling.min_p,
             seed=sampling.seed,
-            max_tokens=request.max_tokens,
+            max_tokens=max(request.max_tokens, 1),
             ignore_eos=sampling.ignore_eos,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            logit_bias=dict(sampling.logit_bias),
+            grammar=request_grammar(request),
             logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         ),
         loops=LoopParams.model_construct(
             min_loops=loops.min_loops,

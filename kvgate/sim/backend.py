@@ -256,7 +256,8 @@ class LocalConnector:
         self.refused: set[str] = set()
         self.connects = 0
         self.limits = MigrationLimits()
-        self.before_fetch: Callable[[str], None] | None = None  # called with the source's name
+        # Called with the source's name and the request whose snapshot is about to be fetched.
+        self.before_fetch: Callable[[str, str], None] | None = None
         self.tamper: Callable[[list[bytes]], list[bytes]] | None = None
         self.transfers = 0
 
@@ -302,7 +303,7 @@ class LocalConnector:
         checked as on the wire."""
         name = source_endpoint.rstrip("/").rsplit("/", 1)[-1]
         if self.before_fetch is not None:
-            self.before_fetch(name)
+            self.before_fetch(name, request_id)
         source = self.backends.get(name)
         if source is None or name in self.refused:
             raise TransferError(TransferFailure.SENDER_GONE, f"{source_endpoint} is unreachable")

@@ -38,6 +38,7 @@ from kvgate.protocol.step import (
     StepResult,
     TokenLogprob,
 )
+from kvgate.protocol.stopping import StopRule
 from kvgate.sim.hashing import mix, text_hash
 from kvgate.sim.workload import ExitMode, ModelSection
 
@@ -52,6 +53,7 @@ class SimulationError(RuntimeError):
 class _SimRequest:
     new: NewRequest
     rid_hash: int
+    stop: StopRule
     tables: list[list[int]]  # [plane][page] -> block id
     outputs: list[int]
     exit_depths: list[int]
@@ -198,7 +200,7 @@ class SimExecutor:
             raise ValueError(problem)
         try:
             values = json.loads(payload)
-            request = _request_from_state(header.state, self.num_planes)
+            request = _request_from_state(header.state, self.num_planes, self.model.eos_token_id)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"unreadable simulated snapshot: {exc}") from exc
         pages = header.num_pages
@@ -311,6 +313,7 @@ class SimExecutor:
         self._requests[new.request_id] = _SimRequest(
             new=new,
             rid_hash=text_hash(new.request_id),
+            stop=StopRule.of(new.sampling, self.model.eos_token_id),
             tables=[[] for _ in range(self.num_planes)],
             outputs=outputs,
             exit_depths=list(new.exit_depths),
@@ -404,12 +407,9 @@ class SimExecutor:
         token = mix(value, seed, position) % self.model.vocab_size
         request.outputs.append(token)
         request.exit_depths.append(depth)
-        sampling = request.new.sampling
-        eos = self.model.eos_token_id
-        if (eos is not None and token == eos and not sampling.ignore_eos) or len(
-            request.outputs
-        ) >= sampling.max_tokens:
+        if request.stop.finish_reason(len(request.outputs), token) is not None:
             request.finished = True
+        sampling = request.new.sampling
         if sampling.logprobs is None:
             return SampledToken(
                 request_id=request.new.request_id,
@@ -520,7 +520,9 @@ def _state_of(request: _SimRequest) -> dict[str, Any]:
     }
 
 
-def _request_from_state(state: dict[str, Any], num_planes: int) -> _SimRequest:
+def _request_from_state(
+    state: dict[str, Any], num_planes: int, eos_token_id: int | None
+) -> _SimRequest:
     new = NewRequest.model_validate(state["new"])
     frontier = list(state["frontier"])
     if len(frontier) != num_planes:
@@ -528,6 +530,7 @@ def _request_from_state(state: dict[str, Any], num_planes: int) -> _SimRequest:
     return _SimRequest(
         new=new,
         rid_hash=text_hash(new.request_id),
+        stop=StopRule.of(new.sampling, eos_token_id),
         tables=[[] for _ in range(num_planes)],
         outputs=[int(t) for t in state["outputs"]],
         exit_depths=[int(d) for d in state["exit_depths"]],

@@ -4,7 +4,7 @@ The workload's model section is taken from the checkpoint (loops, vocabulary, en
 id). Exit modes map onto the executor's policies: ``fixed`` → every token runs its maximum depth,
 ``trace`` → each request replays its ``exit_depths``, ``hash`` → the model's own exit gate
 decides. The reference is the model's unpaged, one-request-at-a-time generation
-(``kvgate.gpu_executor.reference``): every request's tokens and exit depths must equal it.
+(``kvgate.executor.reference``): every request's tokens and exit depths must equal it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
-from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.loader import LoadedModel, load_model
-from kvgate.gpu_executor.reference import reference_generate
+from kvgate.executor.executor import Executor
+from kvgate.executor.loader import LoadedModel, load_model
+from kvgate.executor.reference import reference_generate
 from kvgate.protocol.enums import DType, ExitPolicy
 from kvgate.protocol.step import NewRequest
+from kvgate.scheduler.strategy import KvgateStrategy, Strategy
 from kvgate.sim.report import SimReport, build_report
 from kvgate.sim.runner import RequestOutcome, RunResult, arrivals, run_once
 from kvgate.sim.simulate import workload_for

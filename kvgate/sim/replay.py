@@ -23,12 +23,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kvgate.admission_service.scheduler.config import SchedulerConfig
-from kvgate.admission_service.scheduler.events import StepReport
 from kvgate.admission_service.settings import (
     LimitsSettings,
     ServiceSettings,
-    SettingsError,
     load_settings,
 )
 from kvgate.admission_service.tokenizer import TextCodec
@@ -41,8 +38,11 @@ from kvgate.admission_service.validation import (
     check_request,
     tokenized,
 )
+from kvgate.kafka_connection import SettingsError
 from kvgate.protocol.records import RejectCode
 from kvgate.protocol.step import StepPlan
+from kvgate.scheduler.config import SchedulerConfig
+from kvgate.scheduler.events import StepReport
 from kvgate.sim.backend import SimExecutorConfig
 from kvgate.sim.report import SimReport
 from kvgate.sim.simulate import simulate

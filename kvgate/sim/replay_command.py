@@ -16,8 +16,9 @@ from typing import Any
 from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
-from kvgate.admission_service.settings import KafkaSettings, SettingsError, load_settings
+from kvgate.admission_service.settings import KafkaSettings, load_settings
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
+from kvgate.kafka_connection import SettingsError
 from kvgate.protocol import topics
 from kvgate.sim.backend import SimExecutorConfig, add_config_arguments, config_from_arguments
 from kvgate.sim.replay import build_workload, load_pool_settings, run_replay

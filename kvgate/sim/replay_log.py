@@ -19,9 +19,10 @@ from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from kvgate.admission_service.kafka_io import client_options, raw_record
+from kvgate.admission_service.kafka_io import raw_record
 from kvgate.admission_service.settings import KafkaSettings
 from kvgate.admission_service.validation import RawRecord
+from kvgate.kafka_connection import client_options
 
 _FETCH_TIMEOUT_MS: Final = 1000
 _MAX_EMPTY_FETCHES: Final = 30  # about 30 s without a record or a position change: give up

@@ -67,11 +67,6 @@ class SimReport:
         data["passed"] = self.passed
         return data
 
-    def _leaks_text(self) -> str:
-        if self.unfinished:
-            return "n/a (requests left unfinished)"
-        return f"{self.leaked_blocks}/{self.leaked_snapshots}/{self.leaked_executor_requests}"
-
     def to_text(self) -> str:
         rows = [
             ("strategy", self.strategy),

@@ -18,17 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvgate.admission_service.scheduler.config import (
-    CacheConfig,
-    ModelShape,
-    PreemptionMode,
-)
-from kvgate.admission_service.scheduler.errors import RequestRejected, SchedulerStalled
-from kvgate.admission_service.scheduler.events import AdmissionKind, FinishedEvent, StepReport
-from kvgate.admission_service.scheduler.invariants import ALL_INVARIANTS, Invariant
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import Scheduler
-from kvgate.admission_service.scheduler.strategy import Strategy, promises
 from kvgate.protocol.capacity import blocks_for
 from kvgate.protocol.step import (
     ExecutorCounters,
@@ -38,6 +27,17 @@ from kvgate.protocol.step import (
     StepPlan,
     StepResult,
 )
+from kvgate.scheduler.config import (
+    CacheConfig,
+    ModelShape,
+    PreemptionMode,
+)
+from kvgate.scheduler.errors import RequestRejected, SchedulerStalled
+from kvgate.scheduler.events import AdmissionKind, FinishedEvent, StepReport
+from kvgate.scheduler.invariants import ALL_INVARIANTS, Invariant
+from kvgate.scheduler.request import AdmissionKey, RequestSpec
+from kvgate.scheduler.scheduler import Scheduler
+from kvgate.scheduler.strategy import Strategy, promises
 from kvgate.sim.executor import SimExecutor
 from kvgate.sim.workload import Workload
 
@@ -54,6 +54,7 @@ class StepExecutor(Protocol):
 
 ExecutorFactory = Callable[[Workload], StepExecutor]
 StepObserver = Callable[[StepPlan, StepReport], None]  # each planned step, before it runs
+SchedulerObserver = Callable[[float, Scheduler], None]  # after each schedule: clock, scheduler
 
 
 def sim_executor(workload: Workload) -> StepExecutor:
@@ -83,6 +84,8 @@ def arrivals(workload: Workload) -> list[Arrival]:
             ),
             loops=LoopParams(min_loops=model.min_loops, exit_trace=request.exit_depths),
             priority=request.priority,
+            tenant=request.tenant,
+            deadline_s=None if request.deadline_step is None else float(request.deadline_step),
         )
         out.append(Arrival(request.arrival_step, spec))
     out.sort(key=lambda a: a.step)
@@ -161,7 +164,10 @@ def run_once(
     check: bool = True,
     audit: bool = True,
     observe: StepObserver | None = None,
+    observe_report: SchedulerObserver | None = None,
 ) -> RunResult:
+    """Run ``workload`` to the end. ``observe`` sees each planned step before it runs;
+    ``observe_report`` sees the scheduler after each ``schedule`` (with the clock)."""
     executor = executor or sim_executor(workload)
     scheduler = build_scheduler(workload, strategy, max_model_len=executor.info.max_model_len)
     promised = promises(scheduler.strategy)
@@ -172,7 +178,7 @@ def run_once(
     try:
         for clock in range(workload.max_steps):
             while pending and pending[0].step <= clock:
-                _arrive(scheduler, pending.popleft().spec, result)
+                _arrive(scheduler, pending.popleft().spec, result, float(clock))
             if not (pending or results or scheduler.has_work):
                 break
             plan = None
@@ -180,6 +186,8 @@ def run_once(
                 before = _waiting_keys(scheduler) if audit else []
                 plan = scheduler.schedule(float(clock))
                 _record_step(scheduler, result, before, audit)
+                if observe_report is not None:
+                    observe_report(float(clock), scheduler)
                 if check:
                     _check(scheduler, result, promised)
             if plan is not None:
@@ -218,23 +226,28 @@ def run_once(
     return result
 
 
-def _arrive(scheduler: Scheduler, spec: RequestSpec, result: RunResult) -> None:
+def _arrive(scheduler: Scheduler, spec: RequestSpec, result: RunResult, now: float) -> None:
     try:
-        scheduler.add_request(spec)
+        scheduler.add_request(spec, now=now)
     except RequestRejected as exc:
         result.outcomes[spec.request_id] = RequestOutcome(spec.request_id, "rejected", exc.reason)
 
 
-def _waiting_keys(scheduler: Scheduler) -> list[tuple[tuple[int, ...], str]]:
+def _waiting_keys(scheduler: Scheduler) -> list[tuple[AdmissionKey, str]]:
     return [(r.key, r.request_id) for r in scheduler.waiting_order()]
 
 
 def _record_step(
     scheduler: Scheduler,
     result: RunResult,
-    waiting_before: list[tuple[tuple[int, ...], str]],
+    waiting_before: list[tuple[AdmissionKey, str]],
     audit: bool,
 ) -> None:
+    """Count the step's admissions and audit its overtakes: a request waiting before the step
+    and still waiting after it was overtaken by every request admitted in the step with a larger
+    key than its own after the step. (Keys are fixed except, under fairness, the keys of
+    requests not yet admitted, which only grow with their tenant's share while a step runs:
+    what passed such a request's key at the end of the step passed it all along.)"""
     report = scheduler.last_report
     result.preemptions += len(report.preemptions)
     result.max_counted_bypasses = max(result.max_counted_bypasses, report.max_bypasses)
@@ -246,9 +259,11 @@ def _record_step(
     requests = scheduler.state.requests
     admitted_keys = [requests[rid].key for rid, _ in report.admitted if rid in requests]
     admitted_ids = {rid for rid, _ in report.admitted}
-    for key, request_id in waiting_before:
+    keys_after = {rid: key for key, rid in _waiting_keys(scheduler)}
+    for key_before, request_id in waiting_before:
         if request_id in admitted_ids:
             continue
+        key = keys_after.get(request_id, key_before)
         overtakes = sum(1 for k in admitted_keys if k > key)
         if overtakes:
             result.audited_bypasses[request_id] += overtakes

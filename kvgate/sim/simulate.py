@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
+from kvgate.scheduler.strategy import KvgateStrategy, Strategy
 from kvgate.sim.report import SimReport, build_report
 from kvgate.sim.runner import (
     ExecutorFactory,

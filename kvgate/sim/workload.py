@@ -9,7 +9,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvgate.admission_service.scheduler.config import SchedulerConfig
+from kvgate.protocol.stopping import DEFAULT_MAX_TOKENS
+from kvgate.protocol.tenants import TenantName
+from kvgate.scheduler.config import SchedulerConfig
 from kvgate.sim.hashing import mix, text_hash
 
 
@@ -52,11 +54,14 @@ class WorkloadRequest(_Strict):
     arrival_step: Annotated[int, Field(ge=0)] = 0
     prompt: list[Annotated[int, Field(ge=0)]] | None = None
     prompt_len: Annotated[int, Field(ge=1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] = 16
+    max_tokens: Annotated[int, Field(ge=1)] = DEFAULT_MAX_TOKENS
     priority: int = 0
     seed: Annotated[int, Field(ge=0)] = 0
     exit_depths: list[Annotated[int, Field(ge=1)]] | None = None
     ignore_eos: bool = True
+    tenant: TenantName | None = None  # whose share it is served from (scheduler.fairness)
+    # The step it is given up at (finish reason deadline; the run's clock is its step count).
+    deadline_step: Annotated[int, Field(ge=0)] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> WorkloadRequest:

@@ -18,7 +18,10 @@ one worker thread while the socket reader keeps accepting the next plan, so an a
 can keep one plan in flight (async scheduling). A plan that does not parse but names its step
 still gets an answer, in order with the others (a BAD_PLAN error).
 
-What is served is a :class:`StepBackend`; the server knows nothing of models or tensors.
+What is served is a :class:`StepBackend`; the server knows nothing of models or tensors. It is
+served by ``kvgate.web.guard`` (:func:`serve`): a malformed request — an unknown path or method,
+an oversized request line, header or body, a head or body that does not arrive in time — is a
+plain-text 4xx, never a 500 or a dropped connection.
 """
 
 from __future__ import annotations
@@ -46,10 +49,13 @@ from kvgate.protocol.session import EpochFence
 from kvgate.protocol.tokenizer_files import TOKENIZER_PATH, TokenizerFiles
 from kvgate.step_server.metrics import ExecutorMetrics
 from kvgate.step_server.snapshots import MigrationLimits, SnapshotEndpoints
+from kvgate.web.guard import GuardedRunner, HttpLimits, guarded_app, plain_text_refusal
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES: Final = 64 * 2**20
+# HTTP requests (the WebSocket's messages have MAX_MESSAGE_BYTES): only small JSON bodies.
+STEP_HTTP_LIMITS: Final = HttpLimits()
 OPEN_TIMEOUT_S: Final = 30.0
 _CLIENT_MESSAGE: TypeAdapter[wire.SessionOpen | wire.StepPlan] = TypeAdapter(wire.ClientMessage)
 
@@ -130,10 +136,11 @@ class StepServer:
             worker=self._worker,
             backend=lambda: self.backend,
             limits=migration or MigrationLimits(),
+            http_limits=STEP_HTTP_LIMITS,
         )
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = guarded_app(STEP_HTTP_LIMITS)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
@@ -205,9 +212,9 @@ class StepServer:
 
     def _authorized(self, request: web.Request) -> bool:
         scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            credentials.strip().encode(), self._token
-        )
+        # surrogateescape: header bytes that are not UTF-8 give a mismatch (401), not a 500.
+        offered = credentials.strip().encode("utf-8", "surrogateescape")
+        return scheme.lower() == "bearer" and hmac.compare_digest(offered, self._token)
 
     async def _tokenizer(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -421,7 +428,7 @@ def read_token(token_file: Path | None) -> str:
 
 async def serve(server: StepServer, host: str, port: int) -> int:
     """Serve until SIGINT/SIGTERM (exit 0) or until loading the backend fails (exit 1)."""
-    runner = web.AppRunner(server.app())
+    runner = GuardedRunner(server.app(), STEP_HTTP_LIMITS, plain_text_refusal)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     log.info("listening on %s:%d", host, port)

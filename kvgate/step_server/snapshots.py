@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
+from yarl import URL
 
 from kvgate.protocol import migration
 from kvgate.protocol import step as wire
@@ -42,6 +43,7 @@ from kvgate.protocol.migration import (
     TransferFailure,
     TransferRefusal,
 )
+from kvgate.web.guard import HttpLimits, read_body
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +134,10 @@ class SnapshotEndpoints:
         worker: ThreadPoolExecutor,
         backend: Callable[[], object | None],
         limits: MigrationLimits,
+        http_limits: HttpLimits,
     ) -> None:
         self._authorized = authorized
+        self.http_limits = http_limits  # of the import request's body
         self._token = token
         self._worker = worker
         self._backend = backend
@@ -208,9 +212,11 @@ class SnapshotEndpoints:
         if not self._authorized(request):
             return _refusal(TransferFailure.UNAUTHORIZED, "bearer token required")
         try:
-            asked = SnapshotImport.model_validate_json(await request.read())
+            asked = SnapshotImport.model_validate_json(await read_body(request, self.http_limits))
         except ValidationError as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        if not _is_http_base(asked.source):  # the caller's mistake (400), not a failed fetch
+            return web.json_response({"error": "source must be an http(s) URL"}, status=400)
         backend = self._migrating()
         if backend is None:
             return self._refused(TransferFailure.LAYOUT_MISMATCH, "this executor imports nothing")
@@ -274,6 +280,14 @@ class SnapshotEndpoints:
         except (aiohttp.ClientError, OSError) as exc:
             raise TransferError(TransferFailure.SENDER_GONE, f"{url}: {exc!r}") from exc
         return decoder.result()
+
+
+def _is_http_base(source: str) -> bool:
+    try:
+        url = URL(source)
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.host)
 
 
 def _failure_of(status: int, text: str) -> TransferError:

@@ -82,6 +82,9 @@ MESSAGING_SYSTEM: Final = "messaging.system"
 MESSAGING_DESTINATION: Final = "messaging.destination.name"
 MESSAGING_PARTITION: Final = "messaging.destination.partition.id"
 MESSAGING_KAFKA_OFFSET: Final = "messaging.kafka.offset"
+# The client's X-Request-Id (a tracing convention, not an idempotency key), on the gateway's
+# span (HTTP conventions: http.request.header.<lower-case name>, a list of values).
+HTTP_REQUEST_HEADER_X_REQUEST_ID: Final = "http.request.header.x-request-id"
 # Scheduling facts of the request (kvgate's own namespace).
 REQUEST_PRIORITY: Final = "kvgate.request.priority"
 REQUEST_STATUS: Final = "kvgate.request.status"

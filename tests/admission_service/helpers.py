@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_handle import SessionSettings
 from kvgate.admission_service.metrics import ServiceMetrics
-from kvgate.admission_service.scheduler.config import PreemptionMode, SchedulerConfig
+from kvgate.admission_service.placement import PlacementSettings
+from kvgate.admission_service.quotas import TenantsSettings
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer
@@ -29,6 +30,7 @@ from kvgate.admission_service.validation import (
 )
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState
 from kvgate.protocol.records import InferenceResult, ReplyTo, ResultStatus, SourceRef, TokenChunk
+from kvgate.scheduler.config import PreemptionMode, SchedulerConfig
 from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 
 TOPIC = "kvgate.requests"
@@ -147,6 +149,8 @@ def make_rig(
     tokenizer: TextCodec | None = None,
     migrate_on_drain: bool = False,
     connector: Any = None,
+    placement: PlacementSettings | None = None,
+    tenants: TenantsSettings | None = None,
     **limits: Any,
 ) -> EngineRig:
     """An engine over in-process simulated executors (or over ``connector``)."""
@@ -165,6 +169,8 @@ def make_rig(
         ),
         token_stream=token_stream,
         timeline_steps=10_000,
+        placement=placement or PlacementSettings(),
+        tenants=tenants or TenantsSettings(),
     )
     engine = Engine(
         settings,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from kvgate.admission_service.scheduler.config import PreemptionMode
+from kvgate.scheduler.config import PreemptionMode
 from kvgate.sim.simulate import simulate
 from kvgate.sim.workload import (
     CacheSection,

@@ -13,6 +13,14 @@ from pathlib import Path
 import pytest
 
 from kvgate.local.embedded_broker import EmbeddedBroker
+from kvgate.protocol.records import (
+    InferenceResult,
+    ResultStatus,
+    SourceRef,
+    Timings,
+    TokenChunk,
+    Usage,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -74,6 +82,40 @@ def test_produce_and_results_round_trip(tmp_path: Path) -> None:
         )  # fmt: skip
         assert short.returncode == 1
         assert "2 of 5 results before the timeout" in short.stderr
+
+
+def test_results_prints_each_result_and_token_chunk_once(tmp_path: Path) -> None:
+    """Copies happen (a result without transactions, any chunk of a request run again after a
+    hand-off): ``results`` prints the first of each identity, ``--keep-copies`` all of them."""
+    answer = InferenceResult(
+        request_id="a", status=ResultStatus.COMPLETED,
+        usage=Usage(prompt_tokens=1, completion_tokens=2), timings=Timings(end_to_end_s=0.1),
+        source=SourceRef(topic="kvgate.requests", partition=0, offset=0),
+    ).model_dump_json()  # fmt: skip
+    chunks = [
+        TokenChunk(
+            request_id="a", index=i, token_id=5 + i, exit_depth=1, choice=c
+        ).model_dump_json()
+        for i, c in ((0, 0), (1, 0), (0, 1), (0, 0), (1, 0), (2, 0))  # ran again from token 0
+    ]
+    lines = tmp_path / "records.jsonl"
+    with EmbeddedBroker() as broker:
+        for topic, values in (("kvgate.results", [answer, answer, "not json", "not json"]),
+                              ("kvgate.tokens", chunks)):  # fmt: skip
+            lines.write_text("\n".join(values) + "\n")
+            assert kvgate("produce", str(lines), "--bootstrap", broker.bootstrap, "--topic",
+                          topic).returncode == 0  # fmt: skip
+
+        def results(*extra: str) -> list[str]:
+            done = kvgate("results", "--bootstrap", broker.bootstrap, "--from-beginning",
+                          "--timeout-s", "5", *extra)  # fmt: skip
+            return done.stdout.splitlines()
+
+        # (Unkeyed values may land on any partition: their order is not the file's.)
+        printed = sorted(results())
+        assert printed == sorted([answer, "not json", "not json"]), "no id: always printed"
+        assert results("--tokens") == [chunks[0], chunks[1], chunks[2], chunks[5]], "by choice"
+        assert results("--tokens", "--keep-copies") == chunks
 
 
 def test_produce_reports_a_missing_file(tmp_path: Path) -> None:

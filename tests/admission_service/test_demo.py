@@ -67,7 +67,7 @@ def test_demo_answers_every_request_and_writes_spans_and_plot(tmp_path: Path) ->
 
 def test_the_default_demo_serves_smollm2_text_and_chat(tmp_path: Path) -> None:
     """Two requests (one plain text, one chat) through the packaged model, answered with text."""
-    from kvgate.gpu_executor.packaged import INSTALL_HINT, packaged_gguf
+    from kvgate.executor.packaged import INSTALL_HINT, packaged_gguf
 
     if packaged_gguf() is None:
         pytest.skip(

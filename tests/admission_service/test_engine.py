@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvgate.admission_service.placement import PlacementPolicy, PlacementSettings
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState
 from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.records import RejectCode, ResultStatus
@@ -61,7 +62,8 @@ async def test_mixed_workload_matches_reference_under_cache_pressure() -> None:
 
 
 async def test_placement_prefers_the_executor_with_more_free_capacity() -> None:
-    rig = make_rig()
+    """``placement.policy: headroom`` (the rule before cache-aware placement)."""
+    rig = make_rig(placement=PlacementSettings(policy=PlacementPolicy.HEADROOM))
     await rig.add_executors("big", num_blocks=200)
     await rig.add_executors("small", num_blocks=40)
     backend_big = rig.connector.backends["big"]

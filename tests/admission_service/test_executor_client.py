@@ -20,12 +20,12 @@ from kvgate.admission_service.executor_client import (
     SessionRefused,
     WebSocketConnector,
 )
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import Scheduler
 from kvgate.protocol import step as wire
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState
 from kvgate.protocol.records import ResultStatus
 from kvgate.protocol.step import SamplingParams
+from kvgate.scheduler.request import RequestSpec
+from kvgate.scheduler.scheduler import Scheduler
 from kvgate.sim.backend import SimBackend, SimExecutorConfig
 from kvgate.sim.server import sim_step_server
 
@@ -71,7 +71,7 @@ async def test_session_runs_plans_in_order_with_one_in_flight(http: aiohttp.Clie
         session = await connector(http)(url(server), epoch=5)
         assert session.info.num_blocks == 64 and backend.fence.max_epoch == 5
         from kvgate.admission_service.executor_handle import scheduler_for
-        from kvgate.admission_service.scheduler.config import SchedulerConfig
+        from kvgate.scheduler.config import SchedulerConfig
 
         scheduler: Scheduler = scheduler_for(
             session.info,

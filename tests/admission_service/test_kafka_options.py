@@ -1,6 +1,7 @@
-"""``kafka`` settings become the keyword arguments of every Kafka client of the service: SASL
-credentials (inline or from a mounted file) and a TLS context that trusts the configured CA,
-presents the client certificate and checks the broker's host name unless told not to."""
+"""``kafka`` settings become the keyword arguments of every Kafka client of the service (and of
+the gateway and the clients: ``kvgate.kafka_connection`` is shared): SASL credentials (inline or
+from a mounted file) and a TLS context that trusts the configured CA, presents the client
+certificate and checks the broker's host name unless told not to."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from kvgate.admission_service.kafka_io import client_options
-from kvgate.admission_service.settings import KafkaSettings, SettingsError
+from kvgate.admission_service.intake import request_consumer
+from kvgate.admission_service.settings import KafkaSettings, load_settings
+from kvgate.kafka_connection import KafkaConnection, SettingsError, client_options
+from kvgate.protocol.enums import SaslMechanism, SecurityProtocol
 from tests.harness.tls import TlsMaterial, self_signed_certificate
 
 
@@ -108,3 +112,49 @@ def test_client_certificate_is_loaded(tls: TlsMaterial, tmp_path: Path) -> None:
             ssl_certfile=str(cert),
             ssl_keyfile=str(key),
         )
+
+
+@pytest.mark.parametrize(
+    ("kafka", "message"),
+    [
+        ({"ssl_cafile": "ca.pem"}, "ssl_\\* files need security_protocol SSL or SASL_SSL"),
+        ({"security_protocol": "SSL", "ssl_certfile": "c.pem"}, "go together"),
+        ({"security_protocol": "SASL_SSL", "sasl_username": "u"}, "needs sasl_mechanism"),
+        ({"sasl_mechanism": "PLAIN"}, "needs security_protocol SASL_PLAINTEXT or SASL_SSL"),
+    ],
+    ids=["tls file without tls", "half a key pair", "sasl without mechanism", "sasl unused"],
+)
+def test_security_settings_that_would_be_ignored_or_fail_later_are_refused(
+    kafka: dict[str, Any], message: str
+) -> None:
+    """One definition for every kvgate process (``kvgate.kafka_connection``): a TLS file under
+    PLAINTEXT would be silently unused, so it is an error like the others."""
+    with pytest.raises(ValidationError, match=message):
+        KafkaConnection.model_validate({"bootstrap_servers": "k:9093", **kafka})
+
+
+def test_the_connection_describes_itself_without_secrets(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("hunter2-hunter2")
+    connection = KafkaConnection(
+        bootstrap_servers="k:9093",
+        security_protocol=SecurityProtocol.SASL_SSL,
+        sasl_mechanism=SaslMechanism.SCRAM_SHA_512,
+        sasl_username="gw",
+        sasl_password_file=secret,
+    )
+    described = connection.describe()
+    assert described == "k:9093 (SASL_SSL SCRAM-SHA-512 as gw, CA system trust store)"
+    assert "hunter2" not in described
+
+
+@pytest.mark.parametrize("wait_ms", [None, 5])
+async def test_the_request_consumer_fetches_with_the_configured_wait(wait_ms: int | None) -> None:
+    """Tansu holds an empty fetch for its whole wait, so the local stack shortens it; Kafka's
+    own default stays for real brokers, which answer as soon as a request arrives."""
+    kafka: dict[str, Any] = {"bootstrap_servers": "k:9093"}
+    if wait_ms is not None:
+        kafka["fetch_max_wait_ms"] = wait_ms
+    consumer = request_consumer(load_settings(None, {"kafka": kafka}))
+    assert consumer._fetch_max_wait_ms == (wait_ms or 500)
+    assert consumer._fetch_min_bytes == 1

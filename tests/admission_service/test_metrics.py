@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.admission_service.metrics import PRIORITY_CLASSES, ServiceMetrics
+from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.protocol.records import (
     InferenceResult,
     ResultStatus,
@@ -23,22 +23,25 @@ def result(ttft: float | None, e2e: float, tokens: int) -> InferenceResult:
     )
 
 
-def test_priorities_past_the_class_limit_share_one_label() -> None:
+def test_priorities_outside_the_labelled_range_share_two_labels() -> None:
     metrics = ServiceMetrics("SmolLM2-135M-Instruct")
-    for priority in range(PRIORITY_CLASSES + 5):
+    for priority in range(1000, -1001, -1):  # the service's default priority limits
         metrics.observe_result(priority, result(0.5, 1.5, 3))
-    metrics.observe_result(3, result(0.5, 1.5, 3))  # an early class keeps its own label
+    metrics.observe_result(3, result(0.5, 1.5, 3))
     labels = {
         sample.labels["priority"]
         for family in metrics.registry.collect()
         if family.name == "kvgate_admission_generation_tokens"
         for sample in family.samples
     }
-    assert labels == {str(p) for p in range(PRIORITY_CLASSES)} | {"other"}
+    assert labels == {str(p) for p in range(-10, 11)} | {"<-10", ">10"}
     value = metrics.registry.get_sample_value
     model = {"model": "SmolLM2-135M-Instruct"}
-    assert value("kvgate_admission_generation_tokens_total", {**model, "priority": "other"}) == 15
-    assert value("kvgate_admission_generation_tokens_total", {**model, "priority": "3"}) == 6
+    tokens = "kvgate_admission_generation_tokens_total"
+    assert value(tokens, {**model, "priority": "<-10"}) == 990 * 3
+    assert value(tokens, {**model, "priority": ">10"}) == 990 * 3
+    assert value(tokens, {**model, "priority": "3"}) == 6
+    assert value(tokens, {**model, "priority": "-10"}) == 3
 
 
 def test_inter_token_latency_is_the_mean_gap_after_the_first_token() -> None:

@@ -148,7 +148,7 @@ async def test_a_killed_sender_falls_back_to_recompute() -> None:
     rig = make_rig(migrate_on_drain=True)
     killed: list[str] = []
 
-    def kill_once(name: str) -> None:
+    def kill_once(name: str, request_id: str) -> None:
         if not killed:
             killed.append(name)
             # The sender dies after the export, before the fetch; the service keeps its
@@ -165,7 +165,7 @@ async def test_a_defect_in_a_transfer_still_loses_no_request() -> None:
     transport) is counted as ``error`` and the request resumes by recompute."""
     rig = make_rig(migrate_on_drain=True)
 
-    def broken_transport(name: str) -> None:
+    def broken_transport(name: str, request_id: str) -> None:
         raise RuntimeError("transport defect")
 
     rig.connector.before_fetch = broken_transport
@@ -203,11 +203,10 @@ async def test_an_abort_while_the_kv_is_in_transit_is_answered_once() -> None:
     rig = make_rig(migrate_on_drain=True)
     aborted: list[str] = []
 
-    def abort_the_first(name: str) -> None:
+    def abort_the_first(name: str, request_id: str) -> None:
         if not aborted:
-            rid = next(iter(t.request_id for t in rig.engine._migrating_requests()))
-            aborted.append(rid)
-            assert rig.engine.abort(rid)
+            aborted.append(request_id)
+            assert rig.engine.abort(request_id)
 
     rig.connector.before_fetch = abort_the_first
     try:

@@ -24,7 +24,7 @@ from kvgate.step_server.server import StepBackend, StepServer
 from .helpers import EngineRig, make_rig, request_body, settle, until
 from .test_migration import outcomes
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # real executors on a loaded 2-core machine took up to 2 min
 
 TOKEN = "migration-ws-token"
 HOST_BLOCKS = 512
@@ -32,7 +32,7 @@ HOST_BLOCKS = 512
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+    from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
     from kvgate.protocol.enums import ModelFamily
 
     spec = TinyModelSpec(family=ModelFamily.LLAMA, vocab_size=128, seed=3)
@@ -47,8 +47,8 @@ def _server(kind: str, tiny_dir: Path) -> StepServer:
     def load() -> StepBackend:
         import torch
 
-        from kvgate.gpu_executor.executor import Executor
-        from kvgate.gpu_executor.loader import load_model
+        from kvgate.executor.executor import Executor
+        from kvgate.executor.loader import load_model
 
         torch.set_num_threads(1)
         return Executor(

@@ -264,13 +264,19 @@ async def test_plain_mode_sends_again_only_what_failed() -> None:
     box.answer(result("c", 2), None)
     await box.flush()
     assert commits == [{0: (1, "kvgate/1 results_from=101")}], "up to the unwritten offset 1"
-    assert [s.partition for s in box.stuck()] == [0] and box.num_unwritten == 1
+    assert [s.partition for s in box.stuck()] == [0] and sum(
+        box.unwritten_by_partition().values()
+    ) == 1
     failing["on"] = False
     producer.log.clear()
     clock.past_any_backoff()
     await box.flush()
     assert [v for k, v in producer.log if k == "send"] == [("dlq", None, b"k")], "only the retry"
-    assert commits[-1][0][0] == 3 and not box.stuck() and box.num_unwritten == 0
+    assert (
+        commits[-1][0][0] == 3
+        and not box.stuck()
+        and sum(box.unwritten_by_partition().values()) == 0
+    )
 
 
 @pytest.mark.parametrize("transactional", [True, False])
@@ -298,7 +304,7 @@ async def test_a_refused_dead_letter_is_shrunk_and_the_partition_moves_on(
     sent = [v for k, v in producer.log if k == "send"]
     assert sent.count(("dlq", None, b"k")) == 1, "written once, in its smallest form"
     committed = [v for k, v in producer.log if k == "offsets"] if transactional else commits
-    assert committed and box.num_unwritten == 0
+    assert committed and sum(box.unwritten_by_partition().values()) == 0
 
 
 def test_a_dead_letter_of_any_shape_fits_its_room() -> None:

@@ -122,7 +122,10 @@ async def test_an_oversized_record_is_truncated_into_the_dead_letter_topic_and_b
         assert len(huge.value) + sum(len(v) for _, v in huge.headers) < PRODUCTION.max_message_bytes
         assert junk.value == b"not json" and not DeadLetter.from_headers(junk.headers).truncated
         await until(
-            lambda: service.outbox is not None and service.outbox.num_unwritten == 0,
+            lambda: (
+                service.outbox is not None
+                and not any(service.outbox.unwritten_by_partition().values())
+            ),
             what="everything written",
         )
         committed = await committed_offsets(broker.bootstrap, topics.group, topics.requests, 1)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.admission_service.scheduler.config import PreemptionMode
-from kvgate.admission_service.settings import ExactlyOnce, SettingsError, load_settings
+from kvgate.admission_service.settings import ExactlyOnce, load_settings
+from kvgate.kafka_connection import SettingsError
 from kvgate.protocol.enums import SaslMechanism, SecurityProtocol
+from kvgate.scheduler.config import PreemptionMode
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

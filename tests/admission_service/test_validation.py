@@ -86,7 +86,7 @@ def test_valid_request_becomes_a_spec() -> None:
         (
             {"request_id": "zero", "prompt": [1], "max_tokens": 0},
             RejectCode.SCHEMA,
-            "max_tokens: Input should be greater than or equal to 1",
+            "max_tokens 0 only scores the prompt",
             "zero",
         ),
         (
@@ -187,16 +187,25 @@ def test_spec_parameters_equal_validated_protocol_models() -> None:
     from kvgate.protocol.step import LoopParams, SamplingParams
 
     body = request_body("eq", prompt=[1, 2], max_tokens=7)
-    body["sampling"] = {"temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11}
+    body["sampling"] = {
+        "temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11, "min_p": 0.1,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "logit_bias": {"5": -100, "9": 2.5}, "min_tokens": 2, "stop_token_ids": [4],
+    }  # fmt: skip
     body["loops"] = {"min_loops": 1, "max_loops": 2, "exit_threshold": 0.5}
+    body["structured_output"] = {"regex": "[ab]+"}
+    body["prompt_logprobs"] = 1
     verdict = validate_request(record(body, 0), LIMITS, None)
     assert isinstance(verdict, Accepted)
     spec = build_spec(verdict, None)
     assert spec.sampling == SamplingParams.model_validate(spec.sampling.model_dump())
     assert spec.loops == LoopParams.model_validate(spec.loops.model_dump())
     assert spec.sampling.model_dump() == {
-        "temperature": 0.25, "top_p": 0.5, "top_k": 3, "seed": 11, "max_tokens": 7,
-        "ignore_eos": False, "logprobs": None,
+        "temperature": 0.25, "top_p": 0.5, "top_k": 3, "min_p": 0.1, "seed": 11,
+        "max_tokens": 7, "ignore_eos": False, "min_tokens": 2, "stop_token_ids": [4],
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "logit_bias": {5: -100.0, 9: 2.5}, "grammar": {"kind": "regex", "source": "[ab]+"},
+        "logprobs": None, "prompt_logprobs": 1,
     }  # fmt: skip
 
 

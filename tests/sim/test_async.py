@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.admission_service.scheduler.config import Mode
+from kvgate.scheduler.config import Mode
+from kvgate.sim.livelock_cases import LIVELOCK_SEEDS, livelock_case
 from kvgate.sim.runner import arrivals, build_scheduler, run_once, sim_executor
-from kvgate.sim.workloads import LIVELOCK_SEEDS, livelock_case
 
 
 @pytest.mark.parametrize("seed", LIVELOCK_SEEDS)

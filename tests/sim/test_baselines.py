@@ -11,11 +11,11 @@ from benchmarks.baselines import (
     SeedPreFix,
     SeedPreFixNoAdmissionPreemption,
 )
-from kvgate.admission_service.scheduler.events import AdmissionKind
-from kvgate.admission_service.scheduler.policy import EvictionReason
-from kvgate.admission_service.scheduler.strategy import Strategy, promises
 from kvgate.protocol.enums import RestoreMode
 from kvgate.protocol.step import StepPlan
+from kvgate.scheduler.events import AdmissionKind
+from kvgate.scheduler.policy import EvictionReason
+from kvgate.scheduler.strategy import Strategy, promises
 from tests.scheduler.harness import Rig
 
 HOST = 1000  # vllm-rlt's host memory has no bound

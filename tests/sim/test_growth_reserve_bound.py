@@ -1,18 +1,19 @@
 """The growth reserve's cheap upper bound really bounds it, on every step of the livelock suite.
 
-Admission skips the walk over running requests when even the bound fits (reserve.py), so a bound
-below the true reserve would admit requests the reserve should have held back.
+Admission skips the walk over running requests when even the bound fits (``GrowthReserve`` in
+admission.py), so a bound below the true reserve would admit requests the reserve should have
+held back.
 """
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.config import AdmissionPricing
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.reserve import GrowthReserve
-from kvgate.admission_service.scheduler.state import SchedulerState
-from kvgate.admission_service.scheduler.strategy import KvgateStrategy
+from kvgate.scheduler.admission import GrowthReserve
+from kvgate.scheduler.config import AdmissionPricing
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.state import SchedulerState
+from kvgate.scheduler.strategy import KvgateStrategy
+from kvgate.sim.livelock_cases import livelock_suite
 from kvgate.sim.simulate import simulate
-from kvgate.sim.workloads import livelock_suite
 
 
 class _BoundRecording(KvgateStrategy):

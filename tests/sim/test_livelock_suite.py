@@ -4,6 +4,10 @@ Each case must drain within its step cap with the invariants checked after every
 bypass bound audited independently of the scheduler's counters), and produce exactly the outputs
 of the unconstrained, preemption-free reference run.
 
+The same cases run again with tenants, weights and deadlines (``tenant_livelock_suite``): fair
+sharing and deadline order change who goes first, never whether everything drains, and the
+fair-order invariant holds after every step.
+
 One more case runs without the growth reserve: there the residency window refuses an eviction
 that would otherwise happen, so the case depends on it (no case of the suite proper does; the
 growth reserve leaves the window nothing to act on).
@@ -14,10 +18,10 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.baselines import SeedPostFix, SeedPreFix
-from kvgate.admission_service.scheduler.config import AdmissionPricing, Mode
+from kvgate.scheduler.config import AdmissionPricing, Mode
+from kvgate.sim.livelock_cases import livelock_case, livelock_suite, tenant_livelock_suite
 from kvgate.sim.simulate import simulate
 from kvgate.sim.workload import Workload
-from kvgate.sim.workloads import livelock_case, livelock_suite
 
 
 def _residency_case() -> tuple[str, Workload]:
@@ -34,7 +38,7 @@ def _residency_case() -> tuple[str, Workload]:
 
 
 RESIDENCY_CASE = _residency_case()
-CASES = [*livelock_suite(), RESIDENCY_CASE]
+CASES = [*livelock_suite(), RESIDENCY_CASE, *tenant_livelock_suite()]
 
 
 @pytest.mark.parametrize(("name", "workload"), CASES, ids=[name for name, _ in CASES])

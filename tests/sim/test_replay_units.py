@@ -15,11 +15,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvgate.admission_service.scheduler.config import SchedulerConfig
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.tokenizer import load_tokenizer
 from kvgate.admission_service.tracing import StepDecisions
 from kvgate.admission_service.validation import RawRecord
+from kvgate.scheduler.config import SchedulerConfig
 from kvgate.sim.backend import SimExecutorConfig
 from kvgate.sim.replay import (
     PoolSettings,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.admission_service.scheduler.config import Mode, PreemptionMode, SchedulerConfig
 from kvgate.protocol.step import (
     BlockAppend,
     DecodeRows,
@@ -15,6 +14,7 @@ from kvgate.protocol.step import (
     StepPlan,
     SwapIn,
 )
+from kvgate.scheduler.config import Mode, PreemptionMode, SchedulerConfig
 from kvgate.sim.executor import SimExecutor
 from kvgate.sim.runner import run_once
 from kvgate.sim.workload import (

@@ -33,7 +33,7 @@ Client = TestClient[aiohttp.web.Request, aiohttp.web.Application]
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+    from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
     from kvgate.protocol.enums import ModelFamily
 
     spec = TinyModelSpec(family=ModelFamily.LLAMA, vocab_size=64, seed=5)
@@ -42,8 +42,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _real(tiny_dir: Path) -> Callable[[], StepBackend]:
     def load() -> StepBackend:
-        from kvgate.gpu_executor.executor import Executor
-        from kvgate.gpu_executor.loader import load_model
+        from kvgate.executor.executor import Executor
+        from kvgate.executor.loader import load_model
 
         return Executor(load_model(tiny_dir), num_blocks=8, block_size=4)
 

@@ -49,7 +49,7 @@ VOCAB = 128  # the tiny checkpoint's
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+    from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
     from kvgate.protocol.enums import ModelFamily
 
     spec = TinyModelSpec(family=ModelFamily.LLAMA, vocab_size=VOCAB, seed=4)

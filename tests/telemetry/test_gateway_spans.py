@@ -108,7 +108,10 @@ def test_the_gateway_traces_what_it_writes_to_kafka(broker: EmbeddedBroker, tmp_
     assert span.resource["k8s.pod.name"] == "gateway-0"
     assert span.resource["k8s.namespace.name"] == "serving"
     assert span.attributes[attr.GEN_AI_REQUEST_MODEL] == MODEL
-    assert span.attributes[attr.GEN_AI_RESPONSE_ID] == "gw-t1"
+    # The record's id: the client's key scoped to its tenant ("gw-t1@<digest>").
+    request_id = json.loads(record.value)["request_id"]
+    assert request_id.startswith("gw-t1@")
+    assert span.attributes[attr.GEN_AI_RESPONSE_ID] == request_id
     headers = dict(record.headers)
     _, trace_id, span_id, _ = headers[TRACEPARENT_HEADER].decode().split("-")
     assert (trace_id, span_id) == (span.trace_id, span.span_id)

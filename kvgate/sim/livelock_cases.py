@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.admission_service.scheduler.config import AdmissionPricing, Mode, SchedulerConfig
+from kvgate.scheduler.config import AdmissionPricing, Fairness, Mode, SchedulerConfig
 from kvgate.sim.hashing import mix
 from kvgate.sim.workload import (
     CacheSection,
@@ -91,4 +91,43 @@ def livelock_suite(
                             pricing=pricing,
                         )
                         cases.append((name, workload))
+    return cases
+
+
+TENANT_WEIGHTS = {"t0": 1.0, "t1": 2.0, "t2": 4.0}
+
+
+def with_tenants(workload: Workload, seed: int) -> Workload:
+    """The same case with three tenants of weights 1, 2 and 4 (by a hash of the request), fair
+    sharing and deadline order on; a third of the requests carry a deadline past the step cap
+    (ordering, not expiry: expiry would change outputs against the reference), the others are
+    ordered by a short slack after their arrival."""
+    requests = []
+    for index, request in enumerate(workload.requests):
+        h = mix(seed + 1, index)
+        deadline = request.arrival_step + 600 + (h >> 12) % 300 if (h >> 8) % 3 == 0 else None
+        requests.append(
+            request.model_copy(update={"tenant": f"t{(h >> 4) % 3}", "deadline_step": deadline})
+        )
+    scheduler = workload.scheduler.model_copy(
+        update={
+            "fairness": Fairness.TOKENS,
+            "tenant_weights": TENANT_WEIGHTS,
+            "deadline_order": True,
+            "deadline_slack_s": 40.0,
+        }
+    )
+    return workload.model_copy(update={"scheduler": scheduler, "requests": requests})
+
+
+def tenant_livelock_suite() -> list[tuple[str, Workload]]:
+    """The livelock suite under ``fill`` pricing with tenants, weights and deadlines
+    (``with_tenants``), plus the same under ``fcfs`` (one class for every priority)."""
+    cases = []
+    for name, workload in livelock_suite((AdmissionPricing.FILL,)):
+        seed = int(name.rsplit("seed", 1)[1])
+        cases.append((f"{name}-tenants", with_tenants(workload, seed)))
+    for name, workload in cases[::4]:
+        scheduler = workload.scheduler.model_copy(update={"policy": "fcfs"})
+        cases.append((f"{name}-fcfs", workload.model_copy(update={"scheduler": scheduler})))
     return cases
