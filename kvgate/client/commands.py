@@ -5,7 +5,9 @@ settings file (``--config``: TLS and SASL included). ``produce`` sends each non-
 the file as one record, keyed by its ``request_id`` when the line is a JSON object that has one,
 with a W3C ``traceparent`` header when tracing is configured (``OTEL_*``); it does not validate
 — the service does, and dead-letters what it cannot use. ``results`` prints one JSON line per
-result (read_committed), optionally stopping after ``--count`` results or ``--timeout-s``.
+result (read_committed), or per token chunk with ``--tokens``, optionally stopping after
+``--count`` of them or ``--timeout-s``; each is printed once (``first_copies.py``: a result by
+its request id, a chunk by its request id, choice and index) unless ``--keep-copies``.
 
 Both give up on a broker they cannot reach within ``--connect-timeout-s`` (default 10 s; each
 Kafka request within ``--request-timeout-s``, by default the settings' 30 s) and say so in one
@@ -30,8 +32,10 @@ from aiokafka.errors import KafkaConnectionError, KafkaError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from kvgate.admission_service.kafka_io import client_options
-from kvgate.admission_service.settings import KafkaSettings, SettingsError, load_settings
+from kvgate.admission_service.settings import KafkaSettings, load_settings
+from kvgate.client.first_copies import FirstCopies
+from kvgate.kafka_connection import SettingsError, client_options
+from kvgate.protocol import topics
 from kvgate.protocol.records import TRACEPARENT_HEADER
 from kvgate.telemetry.context import traceparent_of
 from kvgate.telemetry.setup import TelemetryConfigError
@@ -199,6 +203,15 @@ def add_results_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-beginning", action="store_true", help="not only new results")
     parser.add_argument("--count", type=int, help="stop after this many results")
     parser.add_argument("--timeout-s", type=float, help="stop after this long")
+    parser.add_argument(
+        "--tokens", action="store_true",
+        help=f"the token stream instead (kafka.token_topic, else {topics.TOKENS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep-copies", action="store_true",
+        help="print every copy (default: a result once per request id, a token chunk once per "
+        "request id, choice and index)",
+    )  # fmt: skip
 
 
 def run_results(args: argparse.Namespace) -> int:
@@ -207,7 +220,8 @@ def run_results(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"kvgate results: {exc}", file=sys.stderr)
         return 2
-    topic = args.topic or kafka.result_topic
+    stream = kafka.token_topic or topics.TOKENS
+    topic = args.topic or (stream if args.tokens else kafka.result_topic)
     try:
         return asyncio.run(_follow(kafka, topic, args))
     except Unreachable as exc:
@@ -228,6 +242,7 @@ async def _follow(kafka: KafkaSettings, topic: str, args: argparse.Namespace) ->
     )
     await _start(consumer, kafka, args.connect_timeout_s)
     seen = 0
+    firsts = FirstCopies()
     deadline = None if args.timeout_s is None else time.monotonic() + args.timeout_s
     try:
         while args.count is None or seen < args.count:
@@ -237,6 +252,8 @@ async def _follow(kafka: KafkaSettings, topic: str, args: argparse.Namespace) ->
             for messages in batch.values():
                 for message in messages:
                     if message.value is None:
+                        continue
+                    if not args.keep_copies and not firsts.first(message.value):
                         continue
                     sys.stdout.write(message.value.decode("utf-8", errors="replace") + "\n")
                     seen += 1

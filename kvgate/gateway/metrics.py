@@ -1,19 +1,23 @@
-"""What the gateway measures, per model and priority class (its own registry)."""
+"""What the gateway measures, per model and priority (its own registry).
+
+The per-request series carry the labels the admission service's carry (``model``, and
+``priority`` from ``kvgate.protocol.metric_labels``), so the two sides join on them.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from kvgate.protocol.metric_labels import PRIORITY_LABEL, priority_label
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
-_LABELS = ["model", "priority_class"]
+_LABELS = ["model", PRIORITY_LABEL]
 
 
-def priority_class(priority: int) -> str:
-    """A bounded label for an unbounded integer: lower is more important."""
-    if priority < 0:
-        return "high"
-    return "normal" if priority == 0 else "low"
+def request_labels(model: str, priority: int) -> dict[str, str]:
+    """The labels of one request's series."""
+    return {"model": model, PRIORITY_LABEL: priority_label(priority)}
 
 
 class GatewayMetrics:

@@ -15,9 +15,24 @@ answer this replica does not hold also reads the results partition its copy was 
 replica's reply address) until one of the two answers: a retry after a restart, or on another
 replica, gets the same answer. Ids the gateway makes up are new, so they skip the look-up.
 
-Delivery: replies are read with no consumer group and no commits (nothing to resume: the reply
-topic is re-read from its start). A reply seen twice (an at-least-once retry in the service)
-finds its waiter gone and is dropped; the first copy counts.
+Delivery: replies are read with no consumer group and no commits (nothing to resume), by two
+readers of the one partition:
+
+- results, ``read_committed`` (never an answer of an aborted transaction), from the topic's
+  start: answers that came while this replica was down fill the answer cache. A result seen
+  twice (an at-least-once retry in the service) finds its waiter resolved; the first counts.
+- token chunks, ``read_uncommitted``, from the end at start (older chunks are nobody's).
+  Chunks are never written in a transaction, but a ``read_committed`` reader would still hold
+  them behind any transaction open on the partition (the last stable offset: another request's
+  result copy being committed), in bursts of the service's commit cycle. Chunks are
+  at-least-once — a request run again after a hand-off streams from index 0 again, and a
+  retried chunk can come late — so each waiter keeps the first chunk of every (choice, index)
+  and passes them on in index order (:meth:`Waiter.offer`).
+
+Fetches: Kafka answers a fetch as soon as a record arrives, so ``reply_fetch_max_wait_ms`` only
+sets how often an idle reader asks; a broker that holds an empty fetch for its whole wait
+(Tansu, the embedded broker) adds up to that much to every reply, and the local stack sets a
+short one.
 """
 
 from __future__ import annotations
@@ -26,15 +41,20 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from kvgate.gateway.settings import GatewaySettings
+from kvgate.kafka_connection import client_options
 from kvgate.protocol.records import (
     REPLY_KIND_HEADER,
+    REPLY_KIND_RESULT,
+    REPLY_KIND_TOKEN,
     AbortRequest,
     InferenceRequest,
     InferenceResult,
@@ -45,15 +65,65 @@ from kvgate.protocol.records import (
 log = logging.getLogger(__name__)
 
 
+def _kind(headers: Sequence[tuple[str, bytes]]) -> bytes | None:
+    return next((value for name, value in headers if name == REPLY_KIND_HEADER), None)
+
+
+@dataclass(eq=False)
+class _Choice:
+    """What one choice of a request has streamed: its token ids by index (passed on), chunks
+    that came ahead of a missing index, and the first index a re-run produced differently."""
+
+    token_ids: list[int] = field(default_factory=list)
+    early: dict[int, TokenChunk] = field(default_factory=dict)
+    diverged_at: int | None = None
+
+
 @dataclass(eq=False)
 class Waiter:
-    """One request id this replica waits for: its tokens in order, then its result."""
+    """One request id this replica waits for: its tokens, each once and in index order per
+    choice, then its result."""
 
+    request_id: str
     tokens: asyncio.Queue[TokenChunk] = field(default_factory=asyncio.Queue)
     result: asyncio.Future[InferenceResult] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     users: int = 1
+    _choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def offer(self, chunk: TokenChunk) -> None:
+        """Pass ``chunk`` on once, in index order within its choice: the first chunk of a
+        (choice, index) counts, a later one is a copy (an at-least-once retry, or a re-run after
+        a hand-off) and is dropped.
+
+        A re-run whose token differs from what was passed on (numerics that depend on the
+        batch) cannot be unsent: from that index on nothing more of the choice is streamed, and
+        the result, the truth, ends the stream.
+        """
+        choice = self._choices.setdefault(chunk.choice, _Choice())
+        if choice.diverged_at is not None:
+            return
+        if chunk.index < len(choice.token_ids):
+            if choice.token_ids[chunk.index] != chunk.token_id:
+                choice.diverged_at = chunk.index
+                log.warning(
+                    "request %s ran again and its token %d (choice %d) differs from the one "
+                    "streamed: nothing more of it is streamed, the result ends the stream",
+                    self.request_id,
+                    chunk.index,
+                    chunk.choice,
+                )
+            return
+        choice.early.setdefault(chunk.index, chunk)
+        while (ready := choice.early.pop(len(choice.token_ids), None)) is not None:
+            choice.token_ids.append(ready.token_id)
+            self.tokens.put_nowait(ready)
+
+    def diverged_at(self, choice: int = 0) -> int | None:
+        """The first index where a re-run of ``choice`` differed from what was streamed."""
+        state = self._choices.get(choice)
+        return None if state is None else state.diverged_at
 
     def resolve(self, result: InferenceResult) -> None:
         if not self.result.done():
@@ -65,56 +135,69 @@ class ReplyBridge:
         self.settings = settings
         self.reply = ReplyTo(topic=settings.reply_topic, partition=0)
         self._producer: AIOKafkaProducer | None = None
-        self._consumer: AIOKafkaConsumer | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._readers: list[AIOKafkaConsumer] = []  # results, then tokens
+        self._tasks: list[asyncio.Task[None]] = []
         self._lookups: set[asyncio.Task[None]] = set()
         self.waiters: dict[str, Waiter] = {}
         self._answers: OrderedDict[str, InferenceResult] = OrderedDict()
         self.ready = asyncio.Event()
         self.failure: BaseException | None = None
+        self._options: dict[str, Any] = {}  # aiokafka's keyword arguments, made at start
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        """Connect (TLS and SASL as ``settings.kafka`` says: the password file and TLS files
+        are read now, so a bad one fails the start), create the reply topic, start reading."""
+        self._options = client_options(self.settings.kafka)
         await self._ensure_reply_topic()
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=self.settings.bootstrap_servers,
+            **self._options,
             acks="all",
             enable_idempotence=False,  # the request id, not the producer, makes retries safe
-            linger_ms=1,
+            linger_ms=0,  # one request per record: nothing to wait for
         )
         await self._producer.start()
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.settings.bootstrap_servers,
+        tp = TopicPartition(self.reply.topic, self.reply.partition)
+        results = await self._reader(tp, "read_committed")
+        await results.seek_to_beginning(tp)
+        tokens = await self._reader(tp, "read_uncommitted")
+        await tokens.seek_to_end(tp)
+        await tokens.position(tp)  # "the end" now, not at the first fetch
+        self._tasks = [
+            asyncio.create_task(self._read(results, REPLY_KIND_RESULT), name="gateway-results"),
+            asyncio.create_task(self._read(tokens, REPLY_KIND_TOKEN), name="gateway-tokens"),
+        ]
+        self.ready.set()
+
+    async def _reader(self, tp: TopicPartition, isolation: str) -> AIOKafkaConsumer:
+        consumer = AIOKafkaConsumer(
+            **self._options,
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            isolation_level="read_committed",  # never an answer of an aborted transaction
-            # A broker that holds an empty fetch for its whole wait (Tansu does) would add up
-            # to this much to every token's latency: short polls, a few per second when idle.
-            fetch_max_wait_ms=20,
+            isolation_level=isolation,
+            fetch_max_wait_ms=self.settings.reply_fetch_max_wait_ms,
         )
-        await self._consumer.start()
-        tp = TopicPartition(self.reply.topic, self.reply.partition)
-        self._consumer.assign([tp])
-        await self._consumer.seek_to_beginning(tp)
-        self._task = asyncio.create_task(self._read_replies(), name="gateway-replies")
-        self.ready.set()
+        self._readers.append(consumer)
+        await consumer.start()
+        consumer.assign([tp])
+        return consumer
 
     async def close(self) -> None:
         self.ready.clear()
-        for task in [*self._lookups, *([self._task] if self._task else [])]:
+        for task in [*self._lookups, *self._tasks]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, KafkaError):
                 await task
-        if self._consumer is not None:
-            await self._consumer.stop()
+        for consumer in self._readers:
+            await consumer.stop()
         if self._producer is not None:
             await self._producer.stop()
 
     async def _ensure_reply_topic(self) -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.bootstrap_servers)
-        await admin.start()
+        admin = AIOKafkaAdminClient(**self._options)
         try:
+            await admin.start()
             config = {"retention.ms": str(self.settings.reply_retention_ms)}
             with contextlib.suppress(TopicAlreadyExistsError):
                 response = await admin.create_topics(
@@ -127,14 +210,16 @@ class ReplyBridge:
             await admin.close()
 
     # ------------------------------------------------------------------ replies in
-    async def _read_replies(self) -> None:
-        assert self._consumer is not None
+    async def _read(self, consumer: AIOKafkaConsumer, kind: bytes) -> None:
+        """Hand every reply of ``kind`` (``REPLY_KIND_HEADER``) on; the other reader takes the
+        rest."""
         try:
             while True:
-                batch = await self._consumer.getmany(timeout_ms=1000)
+                batch = await consumer.getmany(timeout_ms=1000)
                 for messages in batch.values():
                     for message in messages:
-                        self._on_reply(message.value, dict(message.headers))
+                        if message.value is not None and _kind(message.headers) == kind:
+                            self._on_reply(kind, message.value)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -143,16 +228,13 @@ class ReplyBridge:
             self.ready.clear()
             raise
 
-    def _on_reply(self, value: bytes | None, headers: dict[str, bytes]) -> None:
-        if value is None:
-            return
-        kind = headers.get(REPLY_KIND_HEADER)
-        if kind == b"token":
+    def _on_reply(self, kind: bytes, value: bytes) -> None:
+        if kind == REPLY_KIND_TOKEN:
             chunk = TokenChunk.model_validate_json(value)
             waiter = self.waiters.get(chunk.request_id)
             if waiter is not None:
-                waiter.tokens.put_nowait(chunk)
-        elif kind == b"result":
+                waiter.offer(chunk)
+        else:
             self.answered(InferenceResult.model_validate_json(value))
 
     def answered(self, result: InferenceResult) -> None:
@@ -180,7 +262,7 @@ class ReplyBridge:
         if waiter is not None:
             waiter.users += 1
             return waiter, False
-        waiter = Waiter()
+        waiter = Waiter(request_id)
         self.waiters[request_id] = waiter
         return waiter, True
 
@@ -218,7 +300,7 @@ class ReplyBridge:
         """Read the results partition from its start until ``request_id``'s answer is found
         or nobody waits for it any more."""
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.settings.bootstrap_servers,
+            **self._options,
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="earliest",

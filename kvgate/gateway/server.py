@@ -4,11 +4,16 @@ One request is a sequence of named phases (``_generate``): authenticate → rate
 → route → idempotency → produce → answer (JSON, or server-sent events from the token stream).
 A client that goes away (aiohttp cancels the handler, or a write fails) or a request that
 outlives ``request_timeout_s`` is aborted on the pool's abort topic.
+
+Both ports are served by ``kvgate.web.guard``: a malformed request (too long a request line or
+header, too many headers, a body too large, too slow, too deep or not JSON, an unknown path or
+method) is a 4xx with an OpenAI error object, never a 500 or a dropped connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -21,36 +26,32 @@ from aiokafka.errors import KafkaError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from kvgate.admission_service.tokenizer import TextCodec, load_tokenizer
 from kvgate.gateway.auth import KeyRing, RateLimiter
-from kvgate.gateway.detokenize import StreamText
-from kvgate.gateway.metrics import GatewayMetrics, priority_class
-from kvgate.gateway.openai_api import (
-    ApiError,
-    ChatBody,
-    CompletionBody,
-    Mapped,
-    bad_field,
-    checked_request_id,
-    parse_body,
-    to_request,
+from kvgate.gateway.batch_service import GatewayBatches
+from kvgate.gateway.doors import CHAT, COMPLETIONS, RESPONSES, Body, Door, Streamer
+from kvgate.gateway.http_input import (
+    REQUEST_ID_HEADER,
+    client_trace_id,
+    idempotency_key,
+    json_body,
+    render_refusal,
+    scoped_request_id,
 )
+from kvgate.gateway.metrics import GatewayMetrics, request_labels
+from kvgate.gateway.openai_api import ApiError, Mapped, bad_field
 from kvgate.gateway.replies import ReplyBridge, Waiter
-from kvgate.gateway.responses import (
-    ChunkMaker,
-    chat_body,
-    completion_body,
-    result_error,
-)
+from kvgate.gateway.responses import result_error
 from kvgate.gateway.settings import ApiKey, GatewaySettings, ModelRoute
+from kvgate.gateway.tokenize_api import detokenize, tokenize
 from kvgate.protocol.records import TRACEPARENT_HEADER, InferenceResult
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import traceparent_of
+from kvgate.web.guard import GuardedRunner, guarded_app
 
 log = logging.getLogger(__name__)
-
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class Gateway:
@@ -59,13 +60,20 @@ class Gateway:
         self._tracer = tracer or trace.get_tracer("kvgate.gateway")
         self.bridge = ReplyBridge(settings)
         self.keys = KeyRing(settings.keys, allow_anonymous=settings.allow_anonymous)
-        self.limiter = RateLimiter()
+        self.limiter = RateLimiter(replicas=settings.rate_limit_replicas)
         self.metrics = GatewayMetrics()
         self.routes = {m.name: m for m in settings.models}
         self.codecs: dict[str, TextCodec | None] = {
             m.name: load_tokenizer(m.tokenizer_file) if m.tokenizer_file else None
             for m in settings.models
         }
+        self.batches = (
+            None
+            if settings.batches is None
+            else GatewayBatches(
+                settings, settings.batches, self.codecs, self._authenticate, self._rate_limit
+            )
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._closing = False
         self._runners: list[web.AppRunner] = []
@@ -74,10 +82,15 @@ class Gateway:
 
     # ------------------------------------------------------------------ lifecycle
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors])
+        app = guarded_app(self.settings.http_limits, render_refusal, (self._errors,))
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)  # vLLM's, at the root
+        app.router.add_post("/detokenize", self.detokenize)
+        if self.batches is not None:
+            app.add_routes(self.batches.routes())
         health = [
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.readyz),
@@ -87,7 +100,7 @@ class Gateway:
         return app
 
     def health_app(self) -> web.Application:
-        app = web.Application()
+        app = guarded_app(self.settings.http_limits, render_refusal)
         app["open"] = True
         app.add_routes(
             [
@@ -99,14 +112,23 @@ class Gateway:
         return app
 
     async def start(self) -> None:
+        shares = self.limiter.describe(self.settings.keys)
+        if shares is not None:
+            log.info("%s", shares)
         await self.bridge.start()
+        log.info("connected to Kafka at %s", self.settings.kafka.describe())
+        if self.batches is not None:
+            await self.batches.start()
         self.port = await self._serve(self.app(), self.settings.port)
         if self.settings.health_port is not None:
             self.health_port = await self._serve(self.health_app(), self.settings.health_port)
 
     async def _serve(self, app: web.Application, port: int) -> int:
         # handler_cancellation: a client that disconnects cancels its handler (-> abort).
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        runner = GuardedRunner(
+            app, self.settings.http_limits, render_refusal, handler_cancellation=True,
+            access_log=None,
+        )  # fmt: skip
         await runner.setup()
         site = web.TCPSite(runner, self.settings.host, port, backlog=self.settings.listen_backlog)
         await site.start()
@@ -124,6 +146,8 @@ class Gateway:
             await runner.cleanup()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.batches is not None:
+            await self.batches.close()
         await self.bridge.close()
 
     # ------------------------------------------------------------------ middleware
@@ -133,6 +157,15 @@ class Gateway:
             response: web.StreamResponse = await handler(request)
         except ApiError as exc:
             response = web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        except web.HTTPException:
+            raise  # aiohttp's own answers (a redirect); its errors were rendered inside
+        except Exception:  # a bug, not the client's doing: an OpenAI error object all the same
+            log.exception("%s %s failed", request.method, request.path[:200])
+            error = ApiError(500, "internal error", type_="server_error", code="internal_error")
+            response = web.json_response(error.body(), status=500)
+        trace_id = client_trace_id(request)
+        if trace_id is not None and not response.prepared:
+            response.headers.setdefault(REQUEST_ID_HEADER, trace_id)
         resource = request.match_info.route.resource
         endpoint = resource.canonical if resource is not None else "unmatched"  # bounded labels
         self.metrics.requests.labels(endpoint=endpoint, status=str(response.status)).inc()
@@ -158,7 +191,8 @@ class Gateway:
 
     async def readyz(self, request: web.Request) -> web.Response:
         self._health_allowed(request)
-        if self.bridge.ready.is_set() and self.bridge.failure is None:
+        batches = self.batches is None or self.batches.ready
+        if self.bridge.ready.is_set() and self.bridge.failure is None and batches:
             return web.json_response({"status": "ready"})
         return web.json_response({"status": "not ready"}, status=503)
 
@@ -177,18 +211,45 @@ class Gateway:
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, COMPLETIONS)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, CHAT)
 
-    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, RESPONSES)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return web.json_response(tokenize(*await self._tokenizer_input(request)))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return web.json_response(detokenize(*await self._tokenizer_input(request)))
+
+    async def _tokenizer_input(self, request: web.Request) -> tuple[object, TextCodec]:
+        """The body and the tokenizer of the model it names (the only one, when it names
+        none)."""
+        self._rate_limit(self._authenticate(request))
+        raw = await json_body(request, self.settings)
+        name = raw.get("model") if isinstance(raw, dict) else None
+        if name is None and len(self.routes) == 1:
+            name = next(iter(self.routes))
+        if name not in self.routes:
+            raise ApiError(
+                404, f"the model '{name}' does not exist", param="model", code="model_not_found"
+            )
+        codec = self.codecs[name]
+        if codec is None:
+            raise bad_field("model", f"this gateway has no tokenizer for '{name}' (--tokenizer)")
+        return raw, codec
+
+    async def _generate(self, request: web.Request, door: Door) -> web.StreamResponse:
         received = time.monotonic()
         key = self._authenticate(request)
         self._rate_limit(key)
         if not self.bridge.ready.is_set():
             raise ApiError(503, "the gateway is not connected to Kafka", type_="server_error")
-        body = parse_body(ChatBody if chat else CompletionBody, await _json(request))
+        raw = await json_body(request, self.settings)
+        body = door.parse(raw)
         route = self.routes.get(body.model)
         if route is None:
             raise ApiError(
@@ -201,14 +262,23 @@ class Gateway:
                 "priority", f"this API key may ask for priority {key.min_priority} or above "
                 "(lower is more important)",
             )  # fmt: skip
-        header_id = request.headers.get(REQUEST_ID_HEADER)
-        chosen = body.request_id or (checked_request_id(header_id) if header_id else None)
-        request_id = chosen or f"gw-{uuid.uuid4().hex}"
-        mapped = to_request(
-            body, request_id=request_id, priority=priority,
-            default_max_tokens=self.settings.default_max_tokens, reply=self.bridge.reply,
-        )  # fmt: skip
-        labels = {"model": route.name, "priority_class": priority_class(priority)}
+        chosen = idempotency_key(request, body.request_id)
+        request_id = (
+            scoped_request_id(chosen, key.tenant_name) if chosen else f"gw-{uuid.uuid4().hex}"
+        )
+        trace_id = client_trace_id(request)
+        try:
+            mapped = door.map(
+                body, request_id=request_id, priority=priority,
+                default_max_tokens=self.settings.default_max_tokens, reply=self.bridge.reply,
+            )  # fmt: skip
+        except ValidationError as exc:
+            raise _record_field_error(exc) from None
+        tenant = {"tenant": key.tenant_name}  # the key's tenant (fair sharing, quotas)
+        mapped = dataclasses.replace(mapped, request=mapped.request.model_copy(update=tenant))
+        # Echoed on every answer from here on: the client's X-Request-Id, else the request's id.
+        echo = {REQUEST_ID_HEADER: trace_id or request_id}
+        labels = request_labels(route.name, priority)
         known = self.bridge.known_answer(request_id)
         waiter, new = self.bridge.join(request_id)
         try:
@@ -216,31 +286,41 @@ class Gateway:
                 waiter.resolve(known)
             elif new:
                 look_up = route.result_topic if chosen is not None else None
-                await self._send(route, mapped, look_up, chat=chat)
+                await self._send(route, mapped, look_up, trace_id, door.operation)
             if mapped.stream:
-                return await self._stream(request, route, mapped, waiter, new, received, labels)
+                streamer = door.streamer(body, mapped, self.codecs[route.name], route.name)
+                return await self._stream(
+                    request, route, mapped, waiter, new, received, labels, echo, door, streamer
+                )
             result = await self._wait(waiter, request_id, new)
-            return self._json_answer(result, route, chat=chat, received=received, labels=labels)
+            answer = self._json_answer(result, route, door, body, mapped, received, labels)
+            answer.headers.update(echo)
+            return answer
+        except ApiError as exc:
+            exc.headers.update(echo)
+            raise
         finally:
             self.bridge.leave(request_id, waiter)
 
     async def _send(
-        self, route: ModelRoute, mapped: Mapped, look_up: str | None, *, chat: bool
-    ) -> None:
+        self, route: ModelRoute, mapped: Mapped, look_up: str | None, trace_id: str | None,
+        operation: str,
+    ) -> None:  # fmt: skip
         """Produce the request inside a PRODUCER span whose context travels in the record's
-        ``traceparent`` header: the admission service's request span becomes its child."""
-        operation = attr.GEN_AI_OPERATION_CHAT if chat else attr.GEN_AI_OPERATION_TEXT_COMPLETION
+        ``traceparent`` header: the admission service's request span becomes its child. The
+        client's X-Request-Id (``trace_id``) is recorded on the span."""
+        attributes: dict[str, Any] = {
+            attr.GEN_AI_OPERATION_NAME: operation,
+            attr.GEN_AI_PROVIDER_NAME: attr.GEN_AI_PROVIDER,
+            attr.GEN_AI_REQUEST_MODEL: route.name,
+            attr.GEN_AI_RESPONSE_ID: mapped.request.request_id,
+            attr.MESSAGING_SYSTEM: "kafka",
+            attr.MESSAGING_DESTINATION: route.request_topic,
+        }
+        if trace_id is not None:
+            attributes[attr.HTTP_REQUEST_HEADER_X_REQUEST_ID] = [trace_id]
         with self._tracer.start_as_current_span(
-            f"send {route.request_topic}",
-            kind=SpanKind.PRODUCER,
-            attributes={
-                attr.GEN_AI_OPERATION_NAME: operation,
-                attr.GEN_AI_PROVIDER_NAME: attr.GEN_AI_PROVIDER,
-                attr.GEN_AI_REQUEST_MODEL: route.name,
-                attr.GEN_AI_RESPONSE_ID: mapped.request.request_id,
-                attr.MESSAGING_SYSTEM: "kafka",
-                attr.MESSAGING_DESTINATION: route.request_topic,
-            },
+            f"send {route.request_topic}", kind=SpanKind.PRODUCER, attributes=attributes
         ) as span:
             context = span.get_span_context()
             headers = (
@@ -304,30 +384,28 @@ class Gateway:
         m.generation_tokens.labels(**labels).inc(result.usage.completion_tokens)
 
     def _json_answer(
-        self, result: InferenceResult, route: ModelRoute, *, chat: bool, received: float,
-        labels: dict[str, str],
+        self, result: InferenceResult, route: ModelRoute, door: Door, body: Body,
+        mapped: Mapped, received: float, labels: dict[str, str],
     ) -> web.Response:  # fmt: skip
-        error = result_error(result, chat=chat)
+        error = result_error(result, chat=door.chat)
         if error is not None:
             raise error
         self._observe(result, received, labels)
-        build = chat_body if chat else completion_body
+        codec = self.codecs[route.name]
         return web.json_response(
-            build(result, route.name, int(time.time())),
-            headers={REQUEST_ID_HEADER: result.request_id},
+            door.answer(result, body, route.name, int(time.time()), mapped, codec)
         )
 
     async def _stream(
         self, request: web.Request, route: ModelRoute, mapped: Mapped, waiter: Waiter,
-        new: bool, received: float, labels: dict[str, str],
+        new: bool, received: float, labels: dict[str, str], echo: dict[str, str], door: Door,
+        chunks: Streamer,
     ) -> web.StreamResponse:  # fmt: skip
         """Server-sent events: nothing is sent before the first token or the result, so a
         rejection still gets its HTTP status; the first token opens the stream (headers, and
-        chat's role chunk) even when its text is held back."""
+        the door's opening chunks) even when its text is held back. What each token and the
+        result send is the door's ``Streamer``'s business."""
         rid = mapped.request.request_id
-        chat = isinstance(mapped.request.messages, list)
-        chunks = ChunkMaker(rid, route.name, chat=chat)
-        text = StreamText(self.codecs[route.name], mapped.request.stop)
         response: web.StreamResponse | None = None
         deadline = received + self.settings.request_timeout_s
         last_token: float | None = None
@@ -340,13 +418,12 @@ class Gateway:
                     headers={
                         "Content-Type": "text/event-stream",
                         "Cache-Control": "no-cache",
-                        REQUEST_ID_HEADER: rid,
+                        **echo,
                     }
                 )
                 await response.prepare(request)
-                first = chunks.first()
-                if first is not None:
-                    await response.write(_sse(first))
+                for opening in chunks.opening():
+                    await response.write(_sse(opening))
             if event is not None:
                 await response.write(_sse(event))
 
@@ -373,24 +450,23 @@ class Gateway:
                 else:
                     self.metrics.itl.labels(**labels).observe(now - last_token)
                 last_token = now
-                delta = text.add(chunk.token_id)
-                if delta or response is None:  # the first token opens the stream
-                    await send(chunks.text(delta) if delta else None)
+                if response is None:  # the first token opens the stream
+                    await send(None)
+                for event in chunks.token(chunk):
+                    await send(event)
             remaining = max(0.0, deadline - time.monotonic())
             result = await asyncio.wait_for(asyncio.shield(waiter.result), remaining)
-            error = result_error(result, chat=chat)
+            error = result_error(result, chat=door.chat)
             if error is not None:
                 if response is None:
                     raise error
                 await send(error.body())
             else:
                 self._observe(result, received, labels)
-                final = text.finish(result.text or "")
-                if final:
-                    await send(chunks.text(final))
-                await send(chunks.text("", finish=result.finish_reason or "abort"))
-                if mapped.include_usage:
-                    await send(chunks.usage(result))
+                if response is None:
+                    await send(None)
+                for event in chunks.finish(result):
+                    await send(event)
             await send("[DONE]")
         except TimeoutError:
             self._abort(rid, "timeout", new)
@@ -411,8 +487,9 @@ def _sse(event: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _json(request: web.Request) -> object:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
+def _record_field_error(exc: ValidationError) -> ApiError:
+    """A value the OpenAI fields allow but the Kafka record does not (token ids below 0, say)
+    as a 400 naming the field."""
+    error = exc.errors()[0]
+    where = ".".join(str(p) for p in error["loc"]) or "body"
+    return bad_field(str(error["loc"][0]) if error["loc"] else where, f"{where}: {error['msg']}")

@@ -9,6 +9,14 @@ API keys come from a YAML/JSON file (a mounted Secret) and/or ``KVGATE_GATEWAY_A
         default_priority: 10
         requests_per_s: 20    # token-bucket rate limit; burst = requests_per_s unless set
         burst: 40
+        tenant: team-a        # whose share its requests are served from (default: the name)
+
+Rate limits are counted in each replica's memory: with ``rate_limit_replicas`` N (the chart sets
+the replica count, the HPA's maximum when it scales), each replica enforces 1/N of every key's
+rate and burst, so N replicas together never allow more than the configured rate.
+
+The gateway's Kafka connection (servers, TLS, SASL) is the :class:`KafkaConnection` every
+kvgate process uses.
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ from typing import Annotated, Final
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvgate.batch.settings import BatchSettings
+from kvgate.kafka_connection import KafkaConnection
 from kvgate.protocol import topics
+from kvgate.protocol.tenants import TenantName
+from kvgate.web.guard import HttpLimits
 
 API_KEY_ENV: Final = "KVGATE_GATEWAY_API_KEY"
 TopicName = Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")]
@@ -38,6 +50,8 @@ class ApiKey(_Strict):
     default_priority: int | None = None  # None: max(0, min_priority)
     requests_per_s: Annotated[float, Field(gt=0)] | None = None  # None: no limit
     burst: Annotated[float, Field(ge=1)] | None = None
+    # The tenant on its requests' records: fair sharing and quotas in the admission service.
+    tenant: TenantName | None = None  # None: the key's name
 
     @model_validator(mode="after")
     def _one_key(self) -> ApiKey:
@@ -55,6 +69,10 @@ class ApiKey(_Strict):
         if len(value) < 16:
             raise ValueError(f"key {self.name}: {self.key_file} holds fewer than 16 characters")
         return value
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant if self.tenant is not None else self.name
 
     @property
     def priority(self) -> int:
@@ -80,7 +98,7 @@ class ModelRoute(_Strict):
 
 
 class GatewaySettings(_Strict):
-    bootstrap_servers: Annotated[str, Field(pattern=r"^[^\s,]+(,[^\s,]+)*$")]
+    kafka: KafkaConnection
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     # /metrics, /healthz, /readyz without a key on this port; on the API port they need a key
@@ -100,10 +118,33 @@ class GatewaySettings(_Strict):
     default_max_tokens: Annotated[int, Field(ge=1)] = 256  # chat, when the body sets none
     answer_cache_size: Annotated[int, Field(ge=0)] = 10_000
     reply_retention_ms: Annotated[int, Field(ge=60_000)] = 3_600_000
+    # How long the broker may hold a fetch of the reply partition that found nothing new. Kafka
+    # answers as soon as a reply arrives, so this only sets how often an idle reader asks; a
+    # broker that holds an empty fetch for its whole wait (Tansu) adds up to this much to every
+    # reply: the local stack sets a few milliseconds.
+    reply_fetch_max_wait_ms: Annotated[int, Field(ge=1, le=10_000)] = 500
+    # How many replicas share each key's rate limit (each enforces 1/n of it).
+    rate_limit_replicas: Annotated[int, Field(ge=1, le=10_000)] = 1
+    # HTTP requests: body size (413 above), JSON nesting (400 above), how long the headers may
+    # take from their first byte and the body once the headers are in (408).
+    max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 2**20)] = 2**20
+    max_json_depth: Annotated[int, Field(ge=4, le=128)] = 32
+    head_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    # /v1/files and /v1/batches, with their store (None: not served; docs/batch.md).
+    batches: BatchSettings | None = None
 
     @property
     def reply_topic(self) -> str:
         return f"{topics.REPLIES_PREFIX}{self.replica_id}"
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            max_body_bytes=self.max_body_bytes,
+            head_timeout_s=self.head_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+        )
 
     @model_validator(mode="after")
     def _unique(self) -> GatewaySettings:

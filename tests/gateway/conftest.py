@@ -1,8 +1,9 @@
-"""Real processes on 127.0.0.1: ``kvgate run`` (embedded broker, the tiny real executor, the
-admission service) and ``kvgate gateway`` replicas in front of it."""
+"""Real processes on 127.0.0.1: ``kvgate run --model-dir TINY --no-gateway`` (embedded broker,
+the tiny real executor, the admission service) and ``kvgate gateway`` replicas in front of it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.gateway.kvgate_run import kvgate_run, stop_process
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 FULL_KEY = "sk-full-0123456789abcdef"
@@ -27,6 +30,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+def record_id(key: str, tenant: str = "full") -> str:
+    """The record id the gateway gives an idempotency key (header or ``request_id``) of a tenant:
+    the key, ``@`` and 16 hex digits of the tenant's SHA-256 (docs/gateway.md); "full" is the
+    tenant of ``FULL_KEY`` (its key's name)."""
+    return f"{key}@{hashlib.sha256(tenant.encode()).hexdigest()[:16]}"
 
 
 def free_port() -> int:
@@ -51,16 +61,6 @@ def _wait_for(what: str, check: object, process: subprocess.Popen[bytes], log: P
     raise AssertionError(f"{what} not ready in time: {log.read_text()[-3000:]}")
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @dataclass
 class Stack:
     bootstrap: str
@@ -78,18 +78,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )  # fmt: skip
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     port = free_port()
-    log = out / "run.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvgate", "run", "--port", str(port), "--out-dir", str(out),
-             "--model-dir", str(model_dir)],
-            env=_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    try:
-        _wait_for("kvgate run", lambda: b"accepted epoch" in log.read_bytes(), process, log)
+    # The banner: the executor's session is open (the tests' first requests run at once).
+    with kvgate_run(
+        out, "--port", str(port), "--model-dir", str(model_dir), "--no-gateway", env=_env()
+    ):
         yield Stack(f"127.0.0.1:{port}", model_dir, out)
-    finally:
-        _stop(process)
 
 
 @dataclass
@@ -105,7 +98,7 @@ class GatewayProcess:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def stop(self) -> None:
-        _stop(self.process)
+        stop_process(self.process)
 
 
 def start_gateway(stack: Stack, replica_id: str, *extra: str) -> GatewayProcess:

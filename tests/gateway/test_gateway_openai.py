@@ -27,6 +27,7 @@ from .conftest import (
     SLOW_KEY,
     GatewayProcess,
     Stack,
+    record_id,
     start_gateway,
 )
 
@@ -133,6 +134,7 @@ async def test_stream_equals_non_stream_for_one_request_id_and_seed(
             temperature=1.0, seed=11, extra_body={"ignore_eos": True, "request_id": rid},
         )  # fmt: skip
     assert again.choices[0].message.content == streamed
+    rid = record_id(rid)
     results = await read_topic(
         stack.bootstrap, topics.RESULTS, until=lambda rs: any(r.key == rid.encode() for r in rs)
     )
@@ -205,21 +207,22 @@ async def test_every_error_path(gateway: GatewayProcess) -> None:
         chat = api.chat.completions.create
         cases: list[tuple[Any, int, str | None]] = [
             (comp(model=MODEL, prompt="a", extra_body={"bogus": 1}), 400, "bogus"),
-            (comp(model=MODEL, prompt="a", n=2), 400, "n"),
+            (comp(model=MODEL, prompt="a", n=17), 400, "n"),
             (comp(model=MODEL, prompt="a", temperature=3.5), 400, "temperature"),
-            (comp(model=MODEL, prompt="a", echo=True), 400, "echo"),
-            (comp(model=MODEL, prompt="a", presence_penalty=1.0), 400, "presence_penalty"),
+            (comp(model=MODEL, prompt="a", suffix="z"), 400, "suffix"),
+            (comp(model=MODEL, prompt="a", presence_penalty=3.0), 400, "presence_penalty"),
             (comp(model=MODEL, prompt=["a", "b"]), 400, "prompt"),
             (comp(model=MODEL, prompt="a", seed=-1), 400, "seed"),
-            (comp(model=MODEL, prompt="a", logprobs=2, stream=True), 400, "logprobs"),
+            (comp(model=MODEL, prompt="a", logprobs=21, stream=True), 400, "logprobs"),
             (
                 chat(
                     model=MODEL,
                     messages=messages,
                     tools=[{"type": "function", "function": {"name": "f"}}],
+                    tool_choice={"type": "function", "function": {"name": "g"}},
                 ),
                 400,
-                "tools",
+                "tool_choice",
             ),
             (chat(model=MODEL, messages=messages, top_logprobs=2), 400, "top_logprobs"),
             (comp(model=MODEL, prompt="a", max_tokens=100_000), 400, "max_tokens"),
@@ -245,9 +248,16 @@ async def test_every_error_path(gateway: GatewayProcess) -> None:
         assert ok.choices[0].finish_reason in ("length", "stop")
     async with aiohttp.ClientSession() as http:
         url = f"{gateway.base_url}/completions"
-        async with http.post(url, data=b"{not json", headers=_auth(FULL_KEY)) as response:
+        json_type = {"Content-Type": "application/json"}
+        async with http.post(
+            url, data=b"{not json", headers=_auth(FULL_KEY) | json_type
+        ) as response:
             assert response.status == 400
             assert (await response.json())["error"]["code"] == "invalid_json"
+        # Bytes sent as bytes (aiohttp says application/octet-stream) are not read as JSON.
+        async with http.post(url, data=b"{}", headers=_auth(FULL_KEY)) as response:
+            assert response.status == 415
+            assert (await response.json())["error"]["code"] == "unsupported_media_type"
 
 
 def _auth(key: str) -> dict[str, str]:
@@ -267,6 +277,14 @@ async def test_auth_rate_limit_and_health_ports(gateway: GatewayProcess) -> None
             assert int(exc.response.headers["Retry-After"]) >= 1
         else:
             raise AssertionError("the second request was not limited")
+    # A stream long enough that its tokens are seen before its result (the gateway reads token
+    # chunks and results with two readers; a short stream's result may come first, and its text
+    # is then sent whole, with no token seen to time).
+    async with client(gateway) as api:
+        stream = await api.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
+        assert len([c async for c in stream if c.choices and c.choices[0].text]) > 1
     async with aiohttp.ClientSession() as http:
         api_port = f"http://127.0.0.1:{gateway.port}"
         health = f"http://127.0.0.1:{gateway.health_port}"
@@ -289,7 +307,7 @@ async def test_auth_rate_limit_and_health_ports(gateway: GatewayProcess) -> None
         'kvgate_gateway_rate_limited_total{key="slow"}',
     ):
         assert name in page, name
-    assert 'model="tiny",priority_class="normal"' in page
+    assert 'model="tiny",priority="0"' in page
 
 
 # ------------------------------------------------------------------------ aborts, replicas
@@ -308,6 +326,7 @@ async def test_client_disconnect_sends_an_abort(gateway: GatewayProcess, stack: 
         first = await response.content.readline()  # the role chunk: the request runs
         assert first.startswith(b"data: ")
         response.close()  # the client goes away
+    rid = record_id(rid)
     aborts = await read_topic(
         stack.bootstrap, topics.ABORTS, until=lambda rs: any(r.key == rid.encode() for r in rs)
     )
@@ -325,10 +344,11 @@ async def test_client_disconnect_sends_an_abort(gateway: GatewayProcess, stack: 
 
 async def _one(api: openai.AsyncOpenAI, i: int, *, stream: bool) -> tuple[str, str, int]:
     """(request id, text, completion tokens) of one request through ``api``."""
-    rid = f"many-{i}-{uuid.uuid4().hex[:8]}"
+    key = f"many-{i}-{uuid.uuid4().hex[:8]}"
+    rid = record_id(key)
     kwargs: dict[str, Any] = {
         "model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": 3 + i % 5, "temperature": 0,
-        "extra_body": {"ignore_eos": True, "request_id": rid},
+        "extra_body": {"ignore_eos": True, "request_id": key},
     }  # fmt: skip
     if not stream:
         done = await api.completions.create(**kwargs)

@@ -12,6 +12,7 @@ from kvgate.gateway.auth import KeyRing, RateLimiter
 from kvgate.gateway.detokenize import StreamText
 from kvgate.gateway.openai_api import ApiError, ChatBody, CompletionBody, parse_body, to_request
 from kvgate.gateway.settings import ApiKey
+from kvgate.kafka_connection import KafkaConnection
 from kvgate.protocol.records import ReplyTo
 
 KEYS = [ApiKey(name=f"k{i}", key=f"sk-{i}-" + "x" * 20) for i in range(4)]
@@ -128,14 +129,14 @@ def test_mapping_to_the_record() -> None:
     ("body", "param"),
     [
         ({"prompt": "a", "nope": 1}, "nope"),
-        ({"prompt": "a", "n": 3}, "n"),
-        ({"prompt": "a", "best_of": 2}, "best_of"),
-        ({"prompt": "a", "logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"prompt": "a", "n": 17}, "n"),
+        ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
+        ({"prompt": "a", "logit_bias": {"x": 2.0}}, "logit_bias"),
         ({"prompt": "", "max_tokens": 1}, "prompt"),
         ({"prompt": "a", "stop": ""}, "stop"),
         ({"prompt": "a", "top_k": -2}, "top_k"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
     ],
 )
 def test_bad_fields_are_named(body: dict[str, object], param: str) -> None:
@@ -152,8 +153,8 @@ async def test_not_connected_is_503_and_not_ready() -> None:
     from kvgate.gateway.settings import GatewaySettings, ModelRoute
 
     settings = GatewaySettings(
-        bootstrap_servers="127.0.0.1:1", models=[ModelRoute(name="m")], keys=KEYS[:1],
-        open_health=True,
+        kafka=KafkaConnection(bootstrap_servers="127.0.0.1:1"), models=[ModelRoute(name="m")],
+        keys=KEYS[:1], open_health=True,
     )  # fmt: skip
     gateway = Gateway(settings)
     async with TestClient(TestServer(gateway.app(), host="127.0.0.1")) as http:

@@ -116,7 +116,7 @@ def cluster(
 def looped_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny looped (3-loop, Ouro-layout) checkpoint whose exit gate fires at every depth, so
     recompute must replay recorded exit depths to reproduce the outputs."""
-    from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+    from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
     from kvgate.protocol.enums import ModelFamily
 
     spec = TinyModelSpec(

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvgate.gpu_executor.executor import Executor
+from kvgate.executor.executor import Executor
 from kvgate.protocol import step as wire
 from kvgate.step_server.server import StepServer
 from tests.reliability.processes import parse_metrics, poll
@@ -54,7 +54,7 @@ async def _open(client: TestClient, epoch: int) -> Any:
 async def test_peer_gone_while_a_plan_runs_ends_the_session_quietly(
     looped_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kvgate.gpu_executor.loader import load_model
+    from kvgate.executor.loader import load_model
 
     entered, release = threading.Event(), threading.Event()
 
@@ -95,7 +95,7 @@ async def test_peer_gone_while_a_plan_runs_ends_the_session_quietly(
 
 
 async def test_a_new_session_zeroes_the_leak_gauges(looped_model: Path) -> None:
-    from kvgate.gpu_executor.loader import load_model
+    from kvgate.executor.loader import load_model
 
     model = load_model(looped_model)
     server = StepServer(lambda: Executor(model, num_blocks=16, block_size=4), TOKEN)

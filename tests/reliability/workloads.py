@@ -80,8 +80,8 @@ def model_reference(model_dir: Any, bodies: list[dict[str, Any]]) -> dict[str, O
     """Outputs of the unpaged reference on ``model_dir`` (the executors' exit policy: gate)."""
     import torch
 
-    from kvgate.gpu_executor.loader import load_model
-    from kvgate.gpu_executor.reference import reference_generate
+    from kvgate.executor.loader import load_model
+    from kvgate.executor.reference import reference_generate
     from kvgate.protocol.enums import ExitPolicy
 
     torch.set_num_threads(1)
