@@ -244,9 +244,16 @@ class Gateway:
 
 
 def start_gateway(
-    log_dir: Path, bootstrap: str, topics: Topics, replica: str, *, model: str = "sim"
+    log_dir: Path,
+    bootstrap: str,
+    topics: Topics,
+    replica: str,
+    *,
+    model: str = "sim",
+    extra: tuple[str, ...] = (),
 ) -> Gateway:
-    """``kvgate gateway`` over ``topics`` serving ``model``, its one key ``GATEWAY_KEY``."""
+    """``kvgate gateway`` over ``topics`` serving ``model``, its one key ``GATEWAY_KEY``;
+    ``extra``: more of its flags (Kafka security, HTTP limits)."""
     keys = log_dir / "keys.yaml"
     keys.write_text(json.dumps({"keys": [{"name": "it", "key": GATEWAY_KEY}]}))
     port, health = free_port(), free_port()
@@ -254,7 +261,7 @@ def start_gateway(
         "gateway", "--bootstrap", bootstrap, "--port", str(port),
         "--health-port", str(health), "--replica-id", replica, "--model", model,
         "--request-topic", topics.requests, "--result-topic", topics.results,
-        "--abort-topic", topics.aborts, "--api-keys-file", str(keys),
+        "--abort-topic", topics.aborts, "--api-keys-file", str(keys), *extra,
     ]  # fmt: skip
     process = spawn(replica, argv, log_dir)
     wait_http(process, f"http://127.0.0.1:{health}/readyz")

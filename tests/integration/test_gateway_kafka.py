@@ -6,6 +6,7 @@ the gateway reads them read_committed: every request answered once, on its repli
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,17 @@ from tests.integration.admission_stack import (
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(240, func_only=True)]
 
 
+# The record id of an idempotency key: the key scoped to its API key's tenant ("it", the key's
+# name): the key, "@", 16 hex digits of the tenant's SHA-256 (docs/gateway.md).
+SCOPE = hashlib.sha256(b"it").hexdigest()[:16]
+
+
 async def _ask(api: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
-    rid = f"it-{i:03d}"
+    key = f"it-{i:03d}"
+    rid = f"{key}@{SCOPE}"
     kwargs: dict[str, Any] = {
         "model": "sim", "prompt": [1 + i % 50, 2, 3, 4, 5], "max_tokens": 4 + i % 5,
-        "extra_body": {"ignore_eos": True, "request_id": rid},
+        "extra_body": {"ignore_eos": True, "request_id": key},
     }  # fmt: skip
     if i % 2:
         chunks = await api.completions.create(

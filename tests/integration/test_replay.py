@@ -24,7 +24,7 @@ import pytest
 import yaml
 from aiokafka import AIOKafkaProducer
 
-from kvgate.admission_service.scheduler.config import Mode, SchedulerConfig
+from kvgate.scheduler.config import Mode, SchedulerConfig
 from kvgate.sim.workload import CacheSection, ExitMode, ModelSection, Workload, WorkloadRequest
 from kvgate.telemetry import attributes as attr
 from tests.admission_service.helpers import request_body
