@@ -28,7 +28,6 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from kvgate.admission_service.scheduler.config import SchedulerConfig
 from kvgate.operator.naming import MODEL_DIR, pool_name_problem
 from kvgate.protocol import topics
 from kvgate.protocol.enums import (
@@ -39,6 +38,7 @@ from kvgate.protocol.enums import (
     SaslMechanism,
     SecurityProtocol,
 )
+from kvgate.scheduler.config import SchedulerConfig
 
 
 class PullPolicy(StrEnum):

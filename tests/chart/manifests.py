@@ -32,6 +32,16 @@ class Rendered:
         assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
         return found[0]
 
+    def operator(self) -> Manifest:
+        """The operator's Deployment (the batch feeder, when deployed, is another one)."""
+        found = [
+            d
+            for d in self.of_kind("Deployment")
+            if d["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"
+        ]
+        assert len(found) == 1, f"expected one operator Deployment, found {len(found)}"
+        return found[0]
+
 
 def write_values(directory: Path, name: str, values: Mapping[str, Any]) -> Path:
     path = directory / f"{name}.yaml"

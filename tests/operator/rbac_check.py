@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvgate.operator.rbac import allows
 from tests.operator.kube_emulator import Call
+from tests.operator.rbac import allows
 
 
 def verb(call: Call) -> str:

@@ -24,7 +24,12 @@ from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from kvgate.admission_service.scheduler.config import (
+from kvgate.operator.models import ExecutorPoolSpec, parse_spec
+from kvgate.operator.naming import GROUP, KIND, PLURAL, VERSION
+from kvgate.operator.status import ConditionType, Phase
+from kvgate.protocol.enums import DType, ExitPolicy, ModelFamily, PackagedModel
+from kvgate.protocol.enums import ExitPolicy as ExecutorExitPolicy
+from kvgate.scheduler.config import (
     AdmissionPricing,
     CacheConfig,
     Mode,
@@ -32,11 +37,6 @@ from kvgate.admission_service.scheduler.config import (
     PreemptionMode,
     SchedulerConfig,
 )
-from kvgate.operator.models import ExecutorPoolSpec, parse_spec
-from kvgate.operator.naming import GROUP, KIND, PLURAL, VERSION
-from kvgate.operator.status import ConditionType, Phase
-from kvgate.protocol.enums import DType, ExitPolicy, ModelFamily, PackagedModel
-from kvgate.protocol.enums import ExitPolicy as ExecutorExitPolicy
 from tests.operator.cluster import pool_manifest
 from tests.operator.examples import FULL_SPEC
 

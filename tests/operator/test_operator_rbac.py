@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvgate.operator.rbac import REQUIRED_RULES, allows
 from tests.operator.kube_emulator import Call
+from tests.operator.rbac import REQUIRED_RULES, allows
 from tests.operator.rbac_check import unauthorised_calls
 
 

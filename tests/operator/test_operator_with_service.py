@@ -27,9 +27,9 @@ import pytest
 from kopf.testing import KopfRunner
 from tokenizers import Tokenizer
 
-from kvgate.gpu_executor.gguf_file import GgufFile
-from kvgate.gpu_executor.gguf_tokenizer import build_tokenizer
-from kvgate.gpu_executor.packaged import INSTALL_HINT, packaged_gguf
+from kvgate.executor.gguf_file import GgufFile
+from kvgate.executor.gguf_tokenizer import build_tokenizer
+from kvgate.executor.packaged import INSTALL_HINT, packaged_gguf
 from kvgate.local.embedded_broker import EmbeddedBroker
 from kvgate.operator.naming import step_endpoint
 from kvgate.protocol.admin import ExecutorMembership, ExecutorState

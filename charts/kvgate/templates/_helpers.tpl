@@ -113,7 +113,7 @@ or the release namespace when none is listed.
 {{- end -}}
 
 {{/*
-The operator's permissions: exactly kvgate/operator/rbac.py REQUIRED_RULES (tests/chart compares
+The operator's permissions: exactly tests/operator/rbac.py REQUIRED_RULES (tests/chart compares
 them), less the peering kinds the operator does not use: kopf uses KopfPeering objects in each
 watched namespace, or one ClusterKopfPeering with --all-namespaces, and none when standalone.
 Argument: a dict with "clusterwide" and "peering" (bools).
