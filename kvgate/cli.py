@@ -21,11 +21,11 @@ from kvgate.extras import MissingExtra, extra_for, require
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvgate.sim.command", "run a workload file on the simulated or a real executor"),
     "replay": ("kvgate.sim.replay_command", "replay a window of the request log in the simulator"),
-    "executor": ("kvgate.gpu_executor.cli", "serve a model's step plans over a WebSocket"),
-    "make-tiny-model": ("kvgate.gpu_executor.tiny_model", "write a small random checkpoint"),
+    "executor": ("kvgate.executor.cli", "serve a model's step plans over a WebSocket"),
+    "make-tiny-model": ("kvgate.executor.tiny_model", "write a small random checkpoint"),
     "convert": (
-        "kvgate.gpu_executor.gguf_checkpoint",
-        "write a llama-architecture GGUF file as a Hugging Face model directory",
+        "kvgate.executor.gguf_checkpoint",
+        "write a GGUF file (llama, qwen2, qwen3, gemma2, gemma3, phi3) as a Hugging Face directory",
     ),
     "admission-service": (
         "kvgate.admission_service.cli",
@@ -44,6 +44,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run broker, executor and admission service here, serving until Ctrl-C",
     ),
     "gateway": ("kvgate.gateway.cli", "serve the OpenAI-compatible HTTP API over Kafka"),
+    "batch-feeder": (
+        "kvgate.gateway.batch_cli",
+        "feed batches (/v1/batches) to Kafka without serving HTTP (its own Deployment)",
+    ),
     "produce": ("kvgate.client.produce", "produce requests from a JSON-lines file"),
     "results": ("kvgate.client.results", "print results as JSON lines"),
     "operator": ("kvgate.operator.cli", "run the ExecutorPool operator (kopf)"),

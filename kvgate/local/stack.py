@@ -33,12 +33,30 @@ import aiohttp
 
 from kvgate.admission_service.service import AdmissionService, tune_garbage_collector
 from kvgate.admission_service.settings import ServiceSettings, load_settings
+from kvgate.batch.settings import BatchSettings, StoreKind, StoreSettings
 from kvgate.gateway.settings import GatewaySettings, ModelRoute
+from kvgate.kafka_connection import KafkaConnection
 from kvgate.local.embedded_broker import EmbeddedBroker, EmbeddedBrokerSettings
+from kvgate.local.model_choice import GgufWeights
+from kvgate.local.tuning import (
+    SchedulerLimits,
+    overridden,
+    refuse_owned_variables,
+    scheduler_defaults,
+)
 
 log = logging.getLogger(__name__)
 
 MODEL_MARKER = "config.json"
+# Tansu holds a fetch that finds nothing for about its whole wait, even when a record arrives
+# meanwhile, so every consumer hop on the interactive path (requests into the service, replies
+# into the gateway) costs up to this long; Kafka answers at once and needs no such setting.
+# Measured: a record's latency through one consumer, p50/p90, 185/227 ms at aiokafka's default
+# 500, 4.6/11.8 ms at 20, 3.0/8.9 ms at 5; three idle consumers at 5 ms cost about 9 % of a
+# core in Python and as much in Tansu.
+TANSU_FETCH_MAX_WAIT_MS = 5
+NO_FLAGS = SchedulerLimits()
+STACK_SCHEDULER = SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=64)
 
 
 @dataclass(frozen=True)
@@ -46,13 +64,15 @@ class StackOptions:
     out_dir: Path
     model_dir: Path | None = None  # None: <out_dir>/model, written on first use
     model_gguf: Path | None = None  # served converted from the cache (kvgate convert --cache)
+    gguf_weights: GgufWeights = GgufWeights.FLOAT32  # model_gguf's: dequantized, or as stored
     family: str = "llama"
     num_blocks: int = 48
     block_size: int = 16
     host_snapshot_blocks: int = 32
-    max_num_seqs: int = 8
-    prefill_chunk_size: int = 64
-    max_num_batched_tokens: int = 256
+    # The scheduler's limits: the stack's defaults (beneath KVGATE_SCHEDULER__* variables) and
+    # the flags given (above them); see tuning.py.
+    scheduler_defaults: SchedulerLimits = STACK_SCHEDULER
+    scheduler: SchedulerLimits = NO_FLAGS
     executor_threads: int = 1
     executor_batch_invariant: bool = False  # kvgate executor --batch-invariant
     broker_port: int | None = None
@@ -89,6 +109,13 @@ async def ensure_tiny_model(options: StackOptions) -> Path:
     return model_dir
 
 
+def convert_argv(gguf: Path, weights: GgufWeights) -> list[str]:
+    """The cached conversion the executor serves: with ``quantized`` weights a directory holding
+    the GGUF file itself (the executor keeps its blocks under ``--dtype auto``), with
+    ``float32`` a safetensors copy of the dequantized weights."""
+    return _kvgate("convert", str(gguf), "--cache", "--dtype", weights.value)
+
+
 async def ensure_model(options: StackOptions) -> Path:
     """The directory the executor serves: the GGUF file's cached conversion, or a tiny model."""
     if options.model_gguf is None:
@@ -96,7 +123,7 @@ async def ensure_model(options: StackOptions) -> Path:
     log_path = options.out_dir / "convert.log"
     with log_path.open("wb") as sink:
         process = await asyncio.create_subprocess_exec(
-            *_kvgate("convert", str(options.model_gguf), "--cache"),
+            *convert_argv(options.model_gguf, options.gguf_weights),
             stdout=subprocess.PIPE,
             stderr=sink,
         )
@@ -132,9 +159,8 @@ class ExecutorProcess:
         if o.executor_batch_invariant:
             argv.append("--batch-invariant")
         env = dict(os.environ, KVGATE_EXECUTOR_TOKEN=self.token, OTEL_SDK_DISABLED="true")
-        # One torch thread by default: the tiny model gains nothing from more, and on a small
-        # machine shared with the service and the broker extra threads only contend (30x slower
-        # steps measured on 2 cores). A real model sets its own count.
+        # The count chosen by tuning.executor_threads (--threads > OMP_NUM_THREADS > the
+        # machine), which already honoured this process's OMP_NUM_THREADS.
         env["OMP_NUM_THREADS"] = str(o.executor_threads)
         with self.log_path.open("wb") as sink:
             # Its own session: Ctrl-C reaches only the service, which stops it in order.
@@ -162,6 +188,11 @@ class ExecutorProcess:
                     raise RuntimeError(f"the executor was not ready in time; see {self.log_path}")
                 await asyncio.sleep(0.2)
 
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once it has exited; None while it runs (or before it started)."""
+        return None if self._process is None else self._process.poll()
+
     def stop(self) -> None:
         process = self._process
         if process is None or process.poll() is not None:
@@ -188,33 +219,41 @@ def _admin_token_file(options: StackOptions) -> Path:
 def stack_settings(
     bootstrap: str, executor: ExecutorProcess, options: StackOptions, **overrides: Any
 ) -> ServiceSettings:
+    """The service's settings, in three layers (``tuning.py``): the stack's defaults, beneath
+    the ``KVGATE_*`` variables; what the stack owns (addresses and tokens: a variable naming
+    one is refused by ``refuse_owned_variables``), the flags (``options.scheduler``) and
+    ``overrides``, above them."""
     tokenizer = executor.model_dir / "tokenizer.json"
-    values: dict[str, Any] = {
+    scheduler = scheduler_defaults(options.scheduler_defaults, options.scheduler)
+    defaults: dict[str, Any] = {
         "kafka": {
-            "bootstrap_servers": bootstrap,
             "partitions": 2,
             "exactly_once": "off",  # Tansu has no transactions
             "session_timeout_ms": 2000,
             "heartbeat_interval_ms": 500,
             "commit_interval_ms": 50,
+            "fetch_max_wait_ms": TANSU_FETCH_MAX_WAIT_MS,
         },
-        "scheduler": {
-            "max_num_seqs": options.max_num_seqs,
-            "max_num_batched_tokens": options.max_num_batched_tokens,
-            "prefill_chunk_size": options.prefill_chunk_size,
-        },
-        "admin": {"host": "127.0.0.1", "port": 0, "token_file": str(_admin_token_file(options))},
-        "executors": {
-            "token": executor.token,
-            "members": [{"name": "executor-0", "endpoint": executor.endpoint}],
-            "step_timeout_s": 60,
-        },
+        "scheduler": scheduler.settings(),
+        "admin": {"host": "127.0.0.1", "port": 0},
+        "executors": {"step_timeout_s": 60},
         "limits": {"tokenizer_file": str(tokenizer)} if tokenizer.is_file() else {},
         "shutdown": {"grace_period_s": 5},
     }
+    chosen: dict[str, dict[str, Any]] = {
+        "kafka": {"bootstrap_servers": bootstrap},
+        "scheduler": options.scheduler.settings(),
+        "admin": {"token_file": str(_admin_token_file(options))},
+        "executors": {
+            "token": executor.token,
+            "members": [{"name": "executor-0", "endpoint": executor.endpoint}],
+        },
+    }
     for section, changes in overrides.items():
-        values[section] = {**values.get(section, {}), **changes}
-    return load_settings(None, values)
+        chosen[section] = {**chosen.get(section, {}), **changes}
+    for line in overridden({"scheduler": chosen["scheduler"]}):
+        log.info("%s", line)
+    return load_settings(None, chosen, defaults=defaults)
 
 
 class LocalStack:
@@ -234,6 +273,7 @@ class LocalStack:
         return self.broker.bootstrap
 
     async def __aenter__(self) -> LocalStack:
+        refuse_owned_variables()  # before anything starts
         self.options.out_dir.mkdir(parents=True, exist_ok=True)
         try:
             await self.broker.start_async()
@@ -262,6 +302,16 @@ class LocalStack:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def stopped(self) -> str | None:
+        """Why the stack stopped serving on its own (the service failed, the executor exited),
+        or None while it serves."""
+        if self.service is not None and self.service.failure is not None:
+            return f"the admission service failed: {self.service.failure!r}"
+        if self.executor is not None and self.executor.returncode is not None:
+            code = self.executor.returncode
+            return f"the executor exited with status {code}; see {self.executor.log_path}"
+        return None
+
     async def close(self) -> None:
         if self.service is not None:
             await self.service.shutdown()
@@ -272,8 +322,11 @@ class LocalStack:
         self.broker.stop()
 
 
-def local_gateway_settings(service: ServiceSettings, bootstrap: str, port: int) -> GatewaySettings:
-    """A gateway for this stack: loopback only, so no API key is asked for."""
+def local_gateway_settings(
+    service: ServiceSettings, bootstrap: str, port: int, batch_dir: Path | None = None
+) -> GatewaySettings:
+    """A gateway for this stack: loopback only, so no API key is asked for; with
+    ``batch_dir``, /v1/files and /v1/batches on files under it, fed in this process."""
     kafka = service.kafka
     route = ModelRoute(
         name=service.telemetry.model_name,
@@ -282,6 +335,17 @@ def local_gateway_settings(service: ServiceSettings, bootstrap: str, port: int) 
         tokenizer_file=service.limits.tokenizer_file,
     )
     return GatewaySettings(
-        bootstrap_servers=bootstrap, host="127.0.0.1", port=port, open_health=True,
-        replica_id="local", abort_topic=kafka.abort_topic, models=[route], allow_anonymous=True,
+        kafka=KafkaConnection(bootstrap_servers=bootstrap), host="127.0.0.1", port=port,
+        open_health=True, replica_id="local", abort_topic=kafka.abort_topic, models=[route],
+        allow_anonymous=True, reply_fetch_max_wait_ms=TANSU_FETCH_MAX_WAIT_MS,
+        batches=None if batch_dir is None else local_batch_settings(batch_dir, kafka.partitions),
+    )  # fmt: skip
+
+
+def local_batch_settings(batch_dir: Path, partitions: int) -> BatchSettings:
+    """Batches on one machine: files under ``batch_dir``, the group timings Tansu needs."""
+    return BatchSettings(
+        store=StoreSettings(kind=StoreKind.LOCAL, path=batch_dir), partitions=partitions,
+        session_timeout_ms=2000, heartbeat_interval_ms=500,
+        fetch_max_wait_ms=TANSU_FETCH_MAX_WAIT_MS,
     )  # fmt: skip
