@@ -68,18 +68,17 @@ from collections import deque
 from dataclasses import replace
 from enum import Enum
 
-from kvgate.admission_service.scheduler import batch
-from kvgate.admission_service.scheduler.admission import StartPlan, plan_start, start
-from kvgate.admission_service.scheduler.config import AdmissionPricing, Policy
-from kvgate.admission_service.scheduler.events import AdmissionKind, Preemption
-from kvgate.admission_service.scheduler.invariants import Invariant
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.policy import EvictionReason
-from kvgate.admission_service.scheduler.preemption import evict
-from kvgate.admission_service.scheduler.queues import WaitingQueue
-from kvgate.admission_service.scheduler.request import Request, RequestStatus
-from kvgate.admission_service.scheduler.state import SchedulerState
 from kvgate.protocol.enums import RestoreMode
+from kvgate.scheduler import batch
+from kvgate.scheduler.admission import StartPlan, plan_start, start
+from kvgate.scheduler.config import AdmissionPricing, Policy
+from kvgate.scheduler.events import AdmissionKind, Preemption
+from kvgate.scheduler.invariants import Invariant
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.policy import EvictionReason
+from kvgate.scheduler.preemption import evict
+from kvgate.scheduler.request import Request, RequestStatus
+from kvgate.scheduler.state import SchedulerState, WaitingQueue
 from kvgate.sim.workload import Workload
 
 # What the replayed rules promise themselves; kvgate's other invariants are reported apart.

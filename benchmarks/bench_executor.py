@@ -27,16 +27,16 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.loader import load_model
-from kvgate.gpu_executor.model import Model
-from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+from kvgate.executor.executor import Executor
+from kvgate.executor.loader import load_model
+from kvgate.executor.model import LayerAttention, Model
+from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol import step as wire
 from kvgate.protocol.enums import DType, ModelFamily
 
@@ -179,10 +179,7 @@ def weight_bytes(model: Model) -> int:
     head (the embedding's rows are gathered, not read whole; a tied head is counted once)."""
     total = model.weights.norm.nbytes + model.weights.lm_head.nbytes
     for layer in model.weights.layers:
-        for field in fields(layer):
-            tensor = getattr(layer, field.name)
-            if tensor is not None:
-                total += tensor.nbytes
+        total += sum(tensor.nbytes for tensor in layer.tensors())
     return int(total)
 
 
@@ -238,7 +235,7 @@ class DenseRun:
             mask = torch.ones(n, start + n, dtype=torch.bool, device=model.device).tril(start)
 
         def attention(
-            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            layer: int, settings: LayerAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
             kv.keys[layer][:b, start : start + n] = k.view(b, n, *k.shape[1:])
             kv.values[layer][:b, start : start + n] = v.view(b, n, *v.shape[1:])
@@ -247,7 +244,7 @@ class DenseRun:
                 kv.keys[layer][:b, : start + n].transpose(1, 2),
                 kv.values[layer][:b, : start + n].transpose(1, 2),
                 attn_mask=mask,
-                scale=model.softmax_scale,
+                scale=settings.softmax_scale,
                 enable_gqa=True,
             )
             return out.transpose(1, 2).reshape(b * n, *q.shape[1:])

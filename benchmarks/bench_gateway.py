@@ -3,7 +3,7 @@ Kafka directly, in one run, on the same stack.
 
     python benchmarks/bench_gateway.py [--requests N] [--concurrency C] [--max-tokens M]
 
-Starts ``kvgate run --gateway`` (embedded broker, the tiny real CPU executor, the admission
+Starts ``kvgate run --tiny`` (embedded broker, the tiny real CPU executor, the admission
 service, a gateway on loopback) as a child process. Then the same closed-loop workload (C
 workers, N requests in all, M tokens each with ``ignore_eos``, greedy) runs twice per round,
 for ``--rounds`` rounds (4), alternating the order:
@@ -38,6 +38,7 @@ import openai
 
 from kvgate.gateway.replies import ReplyBridge
 from kvgate.gateway.settings import GatewaySettings, ModelRoute
+from kvgate.kafka_connection import KafkaConnection
 from kvgate.local.stack import free_port
 from kvgate.protocol import topics
 from kvgate.protocol.records import InferenceRequest, RequestSampling
@@ -52,7 +53,7 @@ def start_stack(out: Path) -> tuple[subprocess.Popen[bytes], str, int]:
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvgate", "run", "--gateway", "--gateway-port", str(http),
+            [sys.executable, "-m", "kvgate", "run", "--tiny", "--gateway-port", str(http),
              "--port", str(kafka), "--out-dir", str(out)],
             env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -68,7 +69,8 @@ async def direct_phase(
     bootstrap: str, requests: int, concurrency: int, max_tokens: int
 ) -> tuple[list[float], float, int]:
     settings = GatewaySettings(
-        bootstrap_servers=bootstrap, replica_id=f"bench-{uuid.uuid4().hex[:6]}",
+        kafka=KafkaConnection(bootstrap_servers=bootstrap),
+        replica_id=f"bench-{uuid.uuid4().hex[:6]}",
         models=[ModelRoute(name="kvgate")], allow_anonymous=True,
     )  # fmt: skip
     bridge = ReplyBridge(settings)

@@ -48,8 +48,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from kvgate.admission_service.executor_client import WebSocketConnector
 from kvgate.admission_service.executor_handle import scheduler_for
 from kvgate.admission_service.kafka_io import ensure_topics
-from kvgate.admission_service.scheduler.config import SchedulerConfig
-from kvgate.admission_service.scheduler.request import RequestSpec
 from kvgate.admission_service.service import AdmissionService, tune_garbage_collector
 from kvgate.admission_service.settings import (
     ExactlyOnce,
@@ -60,6 +58,8 @@ from kvgate.admission_service.settings import (
 from kvgate.admission_service.validation import RawRecord, validate_request
 from kvgate.local.embedded_broker import EmbeddedBroker
 from kvgate.protocol.step import SamplingParams
+from kvgate.scheduler.config import SchedulerConfig
+from kvgate.scheduler.request import RequestSpec
 from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py            # GPU if there is one, else the CPU torch path
     python benchmarks/bench_kernels.py --sweep    # plus alternative launch configs on a few cases
+    python benchmarks/bench_kernels.py --window   # CPU: a small sliding window over a long context
 
 For each case the K/V live in a paged cache (block_size 16, shuffled blocks, the executor's 5-D
 layout viewed per layer) and the same values are laid out contiguously for the baselines:
@@ -18,11 +19,18 @@ Goals on an H200: prefill >= 0.6x SDPA, decode >= 50% of peak HBM bandwidth at b
 context >= 4k. On a machine without CUDA the script times kvgate's vectorized torch CPU path (the
 path the CPU executor uses; not the Triton kernel) against SDPA on CPU with small shapes, and
 says so in its output: those numbers say nothing about the GPU kernel.
+
+``--window`` times the CPU paths (the compiled kernel of ``kvgate.kernels.cpu`` and the torch
+path) on a long context with ``sliding_window`` against full causal attention over the same
+context in the same run. Goal: a window of W positions costs about the window, so the ratio
+full / windowed approaches context / W (decode) or (context + q / 2) / W (a prefill chunk of q
+queries).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 import statistics
@@ -295,6 +303,79 @@ def sweep_configs(case: Case) -> list[AttentionConfig]:
     ]
 
 
+@dataclass(frozen=True)
+class WindowCase:
+    base: Case
+    sliding_window: int
+
+    def label(self) -> str:
+        return f"{self.base.label()}, W {self.sliding_window}"
+
+    def work_ratio(self) -> float:
+        """Query-key pairs under full causal over those inside the window."""
+        q, context, window = self.base.q_len, self.base.context, self.sliding_window
+        full = q * context + q * (q + 1) / 2
+        windowed = sum(min(window, context + i + 1) for i in range(q))
+        return full / windowed
+
+
+WINDOW_CASES = [
+    WindowCase(Case("decode", 8, 1, 16383, 8, 2), 1024),
+    WindowCase(Case("decode", 8, 1, 16383, 8, 2), 256),
+    WindowCase(Case("prefill", 1, 128, 8064, 8, 2), 1024),
+]
+
+
+def run_window_cases() -> None:
+    """Full causal against a sliding window on the same paged inputs, CPU, in one run."""
+    from kvgate.executor.layer_ops import prepare_cpu_kernels
+
+    loaded = prepare_cpu_kernels()
+    print(loaded.log_line())
+    device = torch.device("cpu")
+    columns = ["case", "path", "full causal ms", "window ms", "ratio", "work ratio"]
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns), flush=True)
+    for case in WINDOW_CASES:
+        inp = make_inputs(case.base, torch.float32, device)
+        args = (
+            inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.query_start_loc,
+            inp.seq_lens, inp.scale,
+        )  # fmt: skip
+        outputs = {}
+        for path, compiled in (("compiled", True), ("torch", False)):
+            if compiled and not loaded.compiled:
+                continue
+            ms = {}
+            for window in (None, case.sliding_window):
+                plan = kernels.plan_attention(
+                    inp.block_tables, inp.query_start_loc, inp.seq_lens,
+                    num_tokens=inp.query.shape[0], num_blocks=inp.key_cache.shape[0],
+                    block_size=BLOCK_SIZE, compiled=compiled, sliding_window=window,
+                )  # fmt: skip
+                out = torch.empty_like(inp.query)
+
+                run = functools.partial(
+                    kernels.paged_attention, *args, out=out, plan=plan, sliding_window=window
+                )
+                outputs[path, window] = run().clone()
+                ms[window] = time_ms(run, device)
+            full, windowed = ms[None], ms[case.sliding_window]
+            print(
+                f"| {case.label()} | {path} | {full:.2f} | {windowed:.2f} | "
+                f"{full / windowed:.1f}x | {case.work_ratio():.1f}x |",
+                flush=True,
+            )
+        # Same answer first: the paths agree with each other under the window.
+        if ("compiled", case.sliding_window) in outputs:
+            torch.testing.assert_close(
+                outputs["compiled", case.sliding_window],
+                outputs["torch", case.sliding_window],
+                atol=1e-4,
+                rtol=1e-4,
+            )
+        del inp
+
+
 def run_case(
     case: Case, dtype: torch.dtype, device: torch.device, peak: float | None, sweep: bool
 ) -> None:
@@ -346,7 +427,17 @@ def main() -> int:
     )
     parser.add_argument("--only", choices=["prefill", "decode"], help="run one kind of case")
     parser.add_argument("--peak-gbs", type=float, help="peak HBM bandwidth in GB/s")
+    parser.add_argument(
+        "--window", action="store_true", help="CPU: sliding window against full causal, then exit"
+    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.window:
+        print(f"device: CPU, {torch.get_num_threads()} threads; fp32; torch {torch.__version__}")
+        run_window_cases()
+        return 0
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.baselines import VARIANTS, SeedPostFix, SeedPreFix, VllmStyle
 from benchmarks.livelock_sweep import kvgate_goal, print_sweep, run_sweep, sweep_json
 from benchmarks.preemption_causes import CauseRecorder
-from kvgate.admission_service.scheduler.strategy import KvgateStrategy, Strategy
+from kvgate.scheduler.strategy import KvgateStrategy, Strategy
+from kvgate.sim.livelock_cases import livelock_suite
 from kvgate.sim.report import SimReport
 from kvgate.sim.simulate import simulate
 from kvgate.sim.workload import Workload
-from kvgate.sim.workloads import livelock_suite
 
 STRATEGIES: tuple[type[Strategy], ...] = (KvgateStrategy, SeedPreFix, SeedPostFix, VllmStyle)
 

@@ -38,13 +38,13 @@ from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_client import WebSocketConnector
 from kvgate.admission_service.executor_handle import ExecutorHandle, SessionSettings
 from kvgate.admission_service.metrics import ServiceMetrics
-from kvgate.admission_service.scheduler.config import SchedulerConfig
-from kvgate.admission_service.scheduler.events import RequestEvent, TokenEvent
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.validation import Accepted, RawRecord, validate_request
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState
 from kvgate.protocol.records import InferenceResult
+from kvgate.scheduler.config import SchedulerConfig
+from kvgate.scheduler.events import RequestEvent, TokenEvent
 from kvgate.sim.backend import SimBackend, SimExecutorConfig
 from kvgate.sim.server import sim_step_server
 from kvgate.step_server.server import StepBackend, StepServer
@@ -81,8 +81,8 @@ class Figures:
 
 def _loader(model: str, device: str, model_dir: Path | None) -> Callable[[], StepBackend]:
     def load() -> StepBackend:
-        from kvgate.gpu_executor.executor import Executor
-        from kvgate.gpu_executor.loader import load_model
+        from kvgate.executor.executor import Executor
+        from kvgate.executor.loader import load_model
 
         assert model_dir is not None
         return Executor(
@@ -232,7 +232,7 @@ def _model_dir(model: str, scratch: Path) -> Path | None:
     if model == "sim":
         return None
     if model == "tiny":
-        from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+        from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
         from kvgate.protocol.enums import ModelFamily
 
         spec = TinyModelSpec(
@@ -241,8 +241,8 @@ def _model_dir(model: str, scratch: Path) -> Path | None:
             max_position_embeddings=8192,
         )  # fmt: skip
         return Path(make_tiny_model(scratch, spec))
-    from kvgate.gpu_executor.gguf_checkpoint import cached_conversion
-    from kvgate.gpu_executor.packaged import INSTALL_HINT, packaged_gguf
+    from kvgate.executor.gguf_checkpoint import cached_conversion
+    from kvgate.executor.packaged import INSTALL_HINT, packaged_gguf
 
     gguf = packaged_gguf()
     if gguf is None:

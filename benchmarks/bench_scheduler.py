@@ -25,13 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvgate.admission_service.scheduler.config import (
-    CacheConfig,
-    ModelShape,
-    SchedulerConfig,
-)
-from kvgate.admission_service.scheduler.request import RequestSpec
-from kvgate.admission_service.scheduler.scheduler import Scheduler
 from kvgate.protocol.step import (
     DecodeOutcomes,
     SampledToken,
@@ -39,6 +32,13 @@ from kvgate.protocol.step import (
     StepPlan,
     StepResult,
 )
+from kvgate.scheduler.config import (
+    CacheConfig,
+    ModelShape,
+    SchedulerConfig,
+)
+from kvgate.scheduler.request import RequestSpec
+from kvgate.scheduler.scheduler import Scheduler
 
 RUNNING = 512
 

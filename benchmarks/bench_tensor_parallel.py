@@ -27,16 +27,16 @@ from typing import Any
 
 import torch
 
-from kvgate.gpu_executor.executor import Executor
-from kvgate.gpu_executor.loader import load_model
-from kvgate.gpu_executor.tensor_parallel.ranks import (
+from kvgate.executor.executor import Executor
+from kvgate.executor.loader import load_model
+from kvgate.executor.tensor_parallel.ranks import (
     RankSpec,
     TensorParallelExecutor,
     build_rank_executor,
     follow,
     join_group,
 )
-from kvgate.gpu_executor.tiny_model import TinyModelSpec, make_tiny_model
+from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol import step as wire
 from kvgate.protocol.enums import DType, ModelFamily
 

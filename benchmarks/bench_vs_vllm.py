@@ -105,8 +105,8 @@ def prepare() -> None:
 def _model_dir() -> Path:
     """SmolLM2 as a Hugging Face directory, converted once into the cache by kvgate's converter
     (its tensors are bit-equal to transformers' own reading of the GGUF: tests/real_model)."""
-    from kvgate.gpu_executor.gguf_checkpoint import cached_conversion
-    from kvgate.gpu_executor.packaged import require_packaged_gguf
+    from kvgate.executor.gguf_checkpoint import cached_conversion
+    from kvgate.executor.packaged import require_packaged_gguf
 
     return cached_conversion(require_packaged_gguf())
 
@@ -178,10 +178,10 @@ def _kvgate_engine(spec: dict[str, Any], batch_invariant: bool = False) -> Any:
     in one process, the way ``kvgate sim --executor real`` runs them."""
     import torch
 
-    from kvgate.admission_service.scheduler.config import SchedulerConfig
-    from kvgate.gpu_executor.executor import Executor
-    from kvgate.gpu_executor.loader import load_model
+    from kvgate.executor.executor import Executor
+    from kvgate.executor.loader import load_model
     from kvgate.protocol.enums import DType, ExitPolicy
+    from kvgate.scheduler.config import SchedulerConfig
     from kvgate.sim.runner import run_once
     from kvgate.sim.workload import (
         CacheSection,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a machine with a CUDA GPU:
 #   1. pytest -m gpu tests/kernels   (compiled kernels vs the references, bf16, > 2**31 offsets)
-#   2. pytest -m gpu tests/gpu_executor (the executor on CUDA vs the reference; the sampler on
+#   2. pytest -m gpu tests/executor (the executor on CUDA vs the reference; the sampler on
 #                                     the device with no host synchronization)
 #   3. benchmarks/bench_kernels.py   (prefill/decode vs SDPA and flash-attn; extra args go here,
 #                                     e.g. --sweep or --peak-gbs 4800)
@@ -21,8 +21,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 'cuda', torch.cuda.is_available())"
 
 status=0
-echo "== pytest -m gpu tests/kernels tests/gpu_executor"
-pytest_args=(-m gpu tests/kernels tests/gpu_executor -q -p no:cacheprovider -rs)
+echo "== pytest -m gpu tests/kernels tests/executor"
+pytest_args=(-m gpu tests/kernels tests/executor -q -p no:cacheprovider -rs)
 if ! "$PY" -c "import pytest_asyncio" 2>/dev/null; then
   # pyproject's pytest settings name pytest-asyncio options (--strict-config rejects them
   # without the plugin); the kernel tests need none of them.

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.baselines import SeedPostFix
-from kvgate.admission_service.scheduler.config import Mode
-from kvgate.admission_service.scheduler.strategy import Strategy
+from kvgate.scheduler.config import Mode
+from kvgate.scheduler.strategy import Strategy
+from kvgate.sim.livelock_cases import livelock_case
 from kvgate.sim.report import SimReport
 from kvgate.sim.runner import RunResult
 from kvgate.sim.simulate import ReferenceRun, simulate, simulated_reference
 from kvgate.sim.workload import Workload
-from kvgate.sim.workloads import livelock_case
 
 SEEDS = tuple(range(40))
 MODES = (Mode.REFILL, Mode.MIXED)

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from kvgate.admission_service.scheduler.plan import PlanBuilder
-from kvgate.admission_service.scheduler.state import SchedulerState
-from kvgate.admission_service.scheduler.strategy import KvgateStrategy
+from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.state import SchedulerState
+from kvgate.scheduler.strategy import KvgateStrategy
 
 NEAR_DONE_TOKENS = 3  # "close to finishing": at most this many output tokens left
 

@@ -1,0 +1,336 @@
+"""The admission service's CPU per step against lean executors over the real step protocol.
+
+    python benchmarks/bench_step_path.py [--executors N] [--requests N] [--prompt N]
+        [--max-tokens N] [--rows N] [--step-ms T] [--stream] [--traced] [--profile FILE]
+
+The service's engine (placement, one scheduler and step loop per executor, answers, step spans)
+runs in this process with the real WebSocket client; each executor is a lean stand-in in a
+child process of its own that speaks the step protocol with plain ``json`` (it follows the
+plans' registrations, frees, fills and decode rows and samples a hash, as
+``kvgate.sim.counting_executor`` does) and pads each step to ``--step-ms`` (0: answer at once,
+so the service is the bottleneck). Each executor gets ``--requests`` requests of ``--prompt`` +
+``--max-tokens`` tokens at once, submitted as validated records, as Kafka would deliver them;
+answers and token chunks are encoded as the outbox would encode them and then dropped, so no
+broker runs (the Kafka side of the step path is measured in docs/reliability.md and
+bench_ingest.py).
+
+Printed: steps, rows per step, output tokens per second, and the CPU time of this process
+(the service) per step and per output token, from the first request submitted to the last
+answer. Executors' CPU is not counted. ``--profile FILE`` writes a cProfile of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp
+from aiohttp import web
+
+TOKEN = "bench-step-path-token"
+_VOCAB = 32_000
+
+
+# ----------------------------------------------------------------- the lean executor
+@dataclass(slots=True)
+class _Lean:
+    seed: int
+    max_tokens: int
+    fill_length: int
+    outputs: int
+    cursor: int = 0
+
+
+def _lean_info(name: str, num_blocks: int, block_size: int) -> dict[str, Any]:
+    return {
+        "executor_id": name,
+        "model_family": "lean",
+        "num_loops": 1,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "host_snapshot_blocks": 0,
+        "vocab_size": _VOCAB,
+        "eos_token_id": None,
+        "max_model_len": 1 << 20,
+        "kv_bytes_per_block": 0,
+    }
+
+
+def _lean_step(requests: dict[str, _Lean], plan: dict[str, Any]) -> dict[str, Any]:
+    for rid in plan.get("free", ()):
+        requests.pop(rid, None)
+    for new in plan.get("new_requests", ()):
+        outputs = len(new.get("output_token_ids", ()))
+        prompt = len(new["prompt_token_ids"])
+        sampling = new.get("sampling", {})
+        requests[new["request_id"]] = _Lean(
+            seed=sampling.get("seed") or 0,
+            max_tokens=sampling.get("max_tokens", 16),
+            fill_length=prompt + outputs - 1 if outputs else prompt,
+            outputs=outputs,
+        )
+    tokens: list[dict[str, Any]] = []
+
+    def sample(rid: str, request: _Lean, position: int) -> None:
+        token = (request.seed * 1_000_003 + position * 7919 + len(rid)) % _VOCAB
+        request.outputs += 1
+        tokens.append({"request_id": rid, "position": position, "token_id": token, "exit_depth": 1})
+
+    for row in plan.get("prefill_rows", ()):
+        if row.get("completes_fill"):
+            request = requests[row["request_id"]]
+            request.cursor = request.fill_length
+            if request.outputs == 0:
+                sample(row["request_id"], request, row["token_end"])
+    ids: list[str] = []
+    positions: list[int] = []
+    skipped: list[str] = []
+    for rid in plan.get("decode", {}).get("request_ids", ()):
+        request = requests[rid]
+        if request.outputs >= request.max_tokens:
+            skipped.append(rid)
+            continue
+        ids.append(rid)
+        positions.append(request.cursor)
+        sample(rid, request, request.cursor + 1)
+        request.cursor += 1
+    return {
+        "type": "result",
+        "step_id": plan["step_id"],
+        "tokens": tokens,
+        "decode": {
+            "request_ids": ids,
+            "positions": positions,
+            "depths": [1] * len(ids),
+            "exited": [True] * len(ids),
+        },
+        "skipped_request_ids": skipped,
+        "counters": {"num_requests": len(requests)},
+    }
+
+
+def serve_lean(port: int, name: str, step_ms: float, num_blocks: int, block_size: int) -> None:
+    async def steps(http: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(max_msg_size=64 * 2**20)
+        if http.headers.get("Authorization") != f"Bearer {TOKEN}":
+            raise web.HTTPUnauthorized()
+        await ws.prepare(http)
+        requests: dict[str, _Lean] = {}
+        async for msg in ws:
+            began = time.perf_counter()
+            message = json.loads(msg.data)
+            if message["type"] == "open":
+                requests.clear()
+                info = _lean_info(name, num_blocks, block_size)
+                answer = {"type": "accepted", "epoch": message["epoch"], "info": info}
+                await ws.send_str(json.dumps(answer))
+                continue
+            result = _lean_step(requests, message)
+            left_s = step_ms / 1000 - (time.perf_counter() - began)
+            if left_s > 0:
+                await asyncio.sleep(left_s)  # stands in for the GPU's step
+            await ws.send_str(json.dumps(result))
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/steps", steps)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+
+
+# ----------------------------------------------------------------- the service side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _EncodingSink:
+    """Encodes what the outbox would send, counts it, and drops it."""
+
+    answers: int = 0
+    chunks: int = 0
+    output_tokens: int = 0
+
+    def answer(self, result: Any, traceparent: object, reply: object = None) -> None:
+        result.model_dump_json()
+        self.answers += 1
+        self.output_tokens += len(result.output_token_ids)
+
+    def reject(self, record: object, rejection: object, result: object) -> None:
+        raise AssertionError(f"rejected: {rejection}")
+
+    def token(self, source: object, chunk: Any, reply: object = None) -> None:
+        chunk.model_dump_json()
+        self.chunks += 1
+
+
+async def _until(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        await asyncio.sleep(0.002)
+
+
+async def run(args: argparse.Namespace, ports: list[int]) -> dict[str, float]:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
+
+    from kvgate.admission_service.engine import Engine, EngineSettings
+    from kvgate.admission_service.executor_client import WebSocketConnector
+    from kvgate.admission_service.executor_handle import SessionSettings
+    from kvgate.admission_service.metrics import ServiceMetrics
+    from kvgate.admission_service.settings import LimitsSettings
+    from kvgate.admission_service.tracing import ServiceTracer
+    from kvgate.admission_service.validation import Accepted, RawRecord, validate_request
+    from kvgate.protocol.admin import ExecutorSpec
+    from kvgate.scheduler.config import SchedulerConfig
+
+    class _Drop(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    tracer = ServiceTracer()
+    if args.traced:
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(_Drop()))
+        tracer = ServiceTracer(provider.get_tracer("bench"))
+    sink = _EncodingSink()
+    steps = rows = 0
+    async with aiohttp.ClientSession() as http:
+        connector = WebSocketConnector(
+            http, TOKEN, connect_timeout_s=10.0, heartbeat_s=30.0, step_timeout_s=120.0
+        )
+        settings = EngineSettings(
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.rows,
+                max_num_batched_tokens=args.rows + 2048,
+                prefill_chunk_size=2048,
+                async_scheduling=True,
+            ),
+            session=SessionSettings(
+                reconnect_initial_s=0.05, reconnect_max_s=0.5, enable_prefix_caching=False
+            ),
+            token_stream=args.stream,
+        )
+        engine = Engine(
+            settings, connector=connector, sink=sink, tracer=tracer, metrics=ServiceMetrics()
+        )
+        after_apply = engine.after_apply
+
+        def count_step(handle: Any, plan: Any, result: Any, round_trip_s: float) -> None:
+            nonlocal steps, rows
+            steps += 1
+            rows += plan.num_rows
+            after_apply(handle, plan, result, round_trip_s)
+
+        engine.after_apply = count_step  # type: ignore[method-assign]
+        specs = [
+            ExecutorSpec(name=f"e{i}", endpoint=f"ws://127.0.0.1:{port}/v1/steps")
+            for i, port in enumerate(ports)
+        ]
+        await engine.set_members(specs)
+        await _until(
+            lambda: all(h.accepts_work for h in engine.handles.values()), 30.0, "executors"
+        )
+        limits = LimitsSettings(max_waiting_requests=10**7)
+        total = args.requests * len(ports)
+        records = []
+        for i in range(total):
+            body = {
+                "request_id": f"r{i}",
+                "prompt": [(31 * i + 7 * j) % 4000 + 1 for j in range(args.prompt)],
+                "max_tokens": args.max_tokens,
+                "sampling": {"ignore_eos": True, "seed": i},
+            }
+            records.append(RawRecord("requests", 0, i, None, json.dumps(body).encode()))
+        profiler = cProfile.Profile() if args.profile else None
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        for record in records:
+            verdict = validate_request(record, limits, None)
+            assert isinstance(verdict, Accepted), verdict
+            engine.submit(record, verdict)
+        await _until(lambda: sink.answers >= total, 600.0, "answers")
+        if profiler is not None:
+            profiler.disable()
+        cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+        await engine.close()
+    if profiler is not None:
+        profiler.dump_stats(args.profile)
+    assert sink.output_tokens == total * args.max_tokens, sink.output_tokens
+    return {
+        "steps": steps,
+        "rows_per_step": rows / steps,
+        "tokens_per_s": sink.output_tokens / wall_s,
+        "cpu_ms_per_step": 1000 * cpu_s / steps,
+        "cpu_us_per_token": 1e6 * cpu_s / sink.output_tokens,
+        "steps_per_s_per_executor": steps / wall_s / len(ports),
+        "chunks": sink.chunks,
+        "wall_s": wall_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--executors", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=512, help="per executor")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=256, help="max_num_seqs")
+    parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--stream", action="store_true", help="stream tokens (token chunks)")
+    parser.add_argument("--traced", action="store_true", help="record spans (dropped)")
+    parser.add_argument("--profile", default=None, help="write a cProfile of the run here")
+    parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # child: NAME:PORT
+    args = parser.parse_args()
+    if args.serve is not None:
+        name, port = args.serve.split(":")
+        serve_lean(int(port), name, args.step_ms, num_blocks=65_536, block_size=16)
+        return
+    ports = [_free_port() for _ in range(args.executors)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--serve", f"e{i}:{port}", "--step-ms", str(args.step_ms)],
+            env=os.environ,
+        )
+        for i, port in enumerate(ports)
+    ]
+    try:
+        figures = asyncio.run(run(args, ports))
+    finally:
+        for child in children:
+            child.terminate()
+            child.wait(timeout=10)
+    mode = ("streamed" if args.stream else "not streamed") + (", traced" if args.traced else "")
+    print(
+        f"{args.executors} executor(s), step {args.step_ms:g} ms, {mode}: "
+        f"{figures['steps']} steps of {figures['rows_per_step']:.0f} rows, "
+        f"{figures['tokens_per_s']:,.0f} output tokens/s, "
+        f"{figures['steps_per_s_per_executor']:.0f} steps/s per executor, "
+        f"service CPU {figures['cpu_ms_per_step']:.2f} ms per step "
+        f"({figures['cpu_us_per_token']:.1f} µs per output token), "
+        f"{figures['chunks']} token chunks, {figures['wall_s']:.1f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
