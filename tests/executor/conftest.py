@@ -10,6 +10,7 @@ import torch
 from kvgate.executor.loader import LoadedModel, load_model
 from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.protocol.enums import ModelFamily
+from tests.executor.family_cases import WrittenFamilies
 
 # One intra-op thread: tiny matmuls gain nothing from more, and on a shared, oversubscribed
 # machine OpenMP workers waiting for each other make every op milliseconds slow.
@@ -47,3 +48,9 @@ def looped(looped_dir: Path) -> LoadedModel:
 def family_model(request: pytest.FixtureRequest) -> LoadedModel:
     loaded: LoadedModel = request.getfixturevalue(request.param)
     return loaded
+
+
+@pytest.fixture(scope="session")
+def written(tmp_path_factory: pytest.TempPathFactory) -> WrittenFamilies:
+    """The dense families' checkpoints (family_cases.FAMILIES), each written once a session."""
+    return WrittenFamilies(tmp_path_factory)

@@ -151,3 +151,17 @@ FAMILIES: dict[str, Family] = {
         norm_center=0.0,
     ),
 }
+
+
+class WrittenFamilies:
+    """Each family's checkpoint, written by transformers the first time a test asks for it and
+    shared by every test of the session (the ``written`` fixture)."""
+
+    def __init__(self, tmp_path_factory: Any) -> None:
+        self._tmp = tmp_path_factory
+        self._written: dict[str, Written] = {}
+
+    def __getitem__(self, name: str) -> Written:
+        if name not in self._written:
+            self._written[name] = FAMILIES[name].write(name, self._tmp.mktemp(name))
+        return self._written[name]

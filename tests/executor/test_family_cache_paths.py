@@ -15,8 +15,8 @@ import pytest
 from kvgate.executor.executor import Executor
 from kvgate.executor.loader import load_model
 from kvgate.protocol import step as wire
-from tests.executor.family_cases import FAMILIES
-from tests.executor.hf_checkpoints import PROMPTS, Written, full_forward_greedy
+from tests.executor.family_cases import WrittenFamilies
+from tests.executor.hf_checkpoints import PROMPTS, full_forward_greedy
 from tests.executor.test_executor_migration import PROMPT, TICKET, Driver, _move, _tables
 
 # Mistral and Phi-3: every layer slides; Qwen2 and Qwen3: a full layer among sliding ones;
@@ -25,11 +25,6 @@ GROUP = ["mistral-window", "qwen2-window", "qwen3-window", "phi3", "gemma2", "ge
 BLOCK_SIZE = 4
 PREFIX = PROMPTS[1][:12]  # three blocks, longer than a window of 8
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Written]:
-    return {name: FAMILIES[name].write(name, tmp_path_factory.mktemp(name)) for name in GROUP}
 
 
 def _fill(ex: Executor, step: int, request: wire.NewRequest, tables: list[int], start: int) -> int:
@@ -57,7 +52,7 @@ def _fill(ex: Executor, step: int, request: wire.NewRequest, tables: list[int], 
 
 @pytest.mark.parametrize("name", GROUP)
 def test_a_fill_after_a_cached_prefix_longer_than_the_window(
-    written: dict[str, Written], name: str
+    written: WrittenFamilies, name: str
 ) -> None:
     checkpoint = written[name]
     greedy = wire.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -81,7 +76,7 @@ def test_a_fill_after_a_cached_prefix_longer_than_the_window(
 
 @pytest.mark.parametrize("name", GROUP)
 def test_a_request_moved_mid_decode_keeps_transformers_ids(
-    written: dict[str, Written], name: str
+    written: WrittenFamilies, name: str
 ) -> None:
     checkpoint = written[name]
     loaded = load_model(checkpoint.model_dir)

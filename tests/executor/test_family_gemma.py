@@ -9,44 +9,20 @@ Gemma 3: QK-norm, local layers with their own RoPE (θ 10⁴), global ones linea
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from kvgate.executor.config import parse_config
 from kvgate.executor.loader import load_model
 from kvgate.executor.rope_config import LayerType, RopeType
-from tests.executor.family_cases import FAMILIES, WINDOW
-from tests.executor.family_checks import assert_core, assert_logprobs_close, assert_old_layout
-from tests.executor.hf_checkpoints import Written, config_of
-
-GROUP = ["gemma2", "gemma3_text"]
+from tests.executor.family_cases import WINDOW, WrittenFamilies
+from tests.executor.hf_checkpoints import config_of
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Written]:
-    return {name: FAMILIES[name].write(name, tmp_path_factory.mktemp(name)) for name in GROUP}
+def test_the_prompts_reach_past_the_window(written: WrittenFamilies) -> None:
+    """The core checks (test_family_core.py) cross the sliding layers' window."""
+    for name in ("gemma2", "gemma3_text"):
+        assert max(len(p) for p in written[name].prompts) > WINDOW
 
 
-@pytest.mark.parametrize("name", GROUP)
-def test_greedy_ids_equal_transformers(written: dict[str, Written], name: str) -> None:
-    assert max(len(p) for p in written[name].prompts) > WINDOW
-    assert_core(written[name])
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_the_transformers_4_layout_gives_the_same_ids(
-    written: dict[str, Written], name: str, tmp_path: Path
-) -> None:
-    assert_old_layout(written[name], tmp_path)
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_logprobs_within_tolerance(written: dict[str, Written], name: str) -> None:
-    assert_logprobs_close(written[name], written[name].model_dir)
-
-
-def test_layers_get_their_window_rope_and_scale(written: dict[str, Written]) -> None:
+def test_layers_get_their_window_rope_and_scale(written: WrittenFamilies) -> None:
     model = load_model(written["gemma3_text"].model_dir).model
     settings = [layer.attention.settings for layer in model.layers]
     assert [s.sliding_window for s in settings] == [WINDOW, None, WINDOW]

@@ -17,9 +17,9 @@ from kvgate.executor.executor import Executor
 from kvgate.executor.layer_ops import prepare_cpu_kernels
 from kvgate.executor.loader import load_model
 from tests.executor.driver import Driver, DriverConfig
-from tests.executor.family_cases import FAMILIES
+from tests.executor.family_cases import FAMILIES, WrittenFamilies
 from tests.executor.family_checks import SNAPSHOT_BLOCKS, assert_batch_invariant
-from tests.executor.hf_checkpoints import Written, kvgate_greedy
+from tests.executor.hf_checkpoints import kvgate_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +37,10 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Written]:
-    return {name: FAMILIES[name].write(name, tmp_path_factory.mktemp(name)) for name in NAMES}
-
-
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("name", NAMES)
 def test_every_plan_shape_gives_transformers_ids(
-    written: dict[str, Written], name: str, scenario: str
+    written: WrittenFamilies, name: str, scenario: str
 ) -> None:
     checkpoint = written[name]
     got = kvgate_greedy(
@@ -58,9 +53,7 @@ def test_every_plan_shape_gives_transformers_ids(
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_two_ranks_match_one_process(
-    written: dict[str, Written], name: str, tmp_path: Path
-) -> None:
+def test_two_ranks_match_one_process(written: WrittenFamilies, name: str, tmp_path: Path) -> None:
     """Heads, MLP columns and vocabulary split over two gloo ranks (Phi-3's fused projections
     cut into each rank's q/k/v and gate/up rows, OLMo 2's whole-projection QK-norm summed across
     ranks): the tensor-parallel test's scenarios give the one-process outputs."""
@@ -85,7 +78,7 @@ def test_two_ranks_match_one_process(
 
 @pytest.mark.parametrize("name", NAMES)
 def test_batch_invariant_mode_gives_a_request_its_bits_in_any_batch(
-    written: dict[str, Written], name: str
+    written: WrittenFamilies, name: str
 ) -> None:
     if not prepare_cpu_kernels().compiled:
         pytest.skip("kvgate's CPU kernels do not compile here (the mode needs them)")

@@ -13,7 +13,6 @@ long factors (test_generate_agrees_within_the_original_context pins both facts).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +21,8 @@ from kvgate.executor.config import parse_config
 from kvgate.executor.rope_config import RopeType
 from kvgate.executor.tensor_parallel.shards import ShardPlan
 from kvgate.executor.weights import read_checkpoint
-from tests.executor.family_cases import FAMILIES
-from tests.executor.family_checks import assert_core, assert_logprobs_close, assert_old_layout
+from tests.executor.family_cases import WrittenFamilies
 from tests.executor.hf_checkpoints import (
-    Written,
     config_of,
     full_forward_greedy,
     generate_greedy,
@@ -35,29 +32,7 @@ from tests.executor.hf_checkpoints import (
 GROUP = ["phi3", "phi3-longrope"]
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Written]:
-    return {name: FAMILIES[name].write(name, tmp_path_factory.mktemp(name)) for name in GROUP}
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_greedy_ids_equal_transformers(written: dict[str, Written], name: str) -> None:
-    assert_core(written[name])
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_the_transformers_4_layout_gives_the_same_ids(
-    written: dict[str, Written], name: str, tmp_path: Path
-) -> None:
-    assert_old_layout(written[name], tmp_path)
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_logprobs_within_tolerance(written: dict[str, Written], name: str) -> None:
-    assert_logprobs_close(written[name], written[name].model_dir)
-
-
-def test_the_longrope_config_is_read_as_written(written: dict[str, Written]) -> None:
+def test_the_longrope_config_is_read_as_written(written: WrittenFamilies) -> None:
     config = parse_config(config_of(written["phi3-longrope"].model_dir))
     scaling = config.rope_scaling
     assert scaling.rope_type is RopeType.LONGROPE
@@ -66,7 +41,7 @@ def test_the_longrope_config_is_read_as_written(written: dict[str, Written]) -> 
     assert config.max_model_len == 64
 
 
-def test_each_rank_reads_its_own_rows_of_the_fused_tensors(written: dict[str, Written]) -> None:
+def test_each_rank_reads_its_own_rows_of_the_fused_tensors(written: WrittenFamilies) -> None:
     """Two ranks: rank r's qkv_proj is its q heads, then its k and v heads; its gate_up_proj its
     gate columns, then its up columns (the one-process tensor cut the same way)."""
     model_dir = written["phi3"].model_dir
@@ -94,7 +69,7 @@ def test_each_rank_reads_its_own_rows_of_the_fused_tensors(written: dict[str, Wr
 
 
 def test_the_load_says_where_kvgate_departs_from_transformers(
-    written: dict[str, Written], caplog: pytest.LogCaptureFixture
+    written: WrittenFamilies, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="kvgate.executor.config"):
         parse_config(config_of(written["phi3-longrope"].model_dir))
@@ -105,7 +80,7 @@ def test_the_load_says_where_kvgate_departs_from_transformers(
     assert "window 12 on 3 of 3 layers, context 256" in caplog.text
 
 
-def test_generate_agrees_within_the_original_context(written: dict[str, Written]) -> None:
+def test_generate_agrees_within_the_original_context(written: WrittenFamilies) -> None:
     """Short sequences: transformers' generate() gives kvgate's ids. Past the original context
     it re-rotates the whole sequence (its full-forward ids); kvgate keeps each key's rotation."""
     checkpoint = written["phi3-longrope"]

@@ -12,42 +12,18 @@ transformers' result for a prompt within that context followed by one call per g
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 
 from kvgate.executor.config import parse_config
 from kvgate.executor.rope_config import RopeType
-from tests.executor.family_cases import FAMILIES
-from tests.executor.family_checks import assert_core, assert_logprobs_close, assert_old_layout
-from tests.executor.hf_checkpoints import Written, config_of
+from tests.executor.family_cases import WrittenFamilies
+from tests.executor.hf_checkpoints import config_of
 
 GROUP = ["llama-yarn", "llama-dynamic"]
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Written]:
-    return {name: FAMILIES[name].write(name, tmp_path_factory.mktemp(name)) for name in GROUP}
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_greedy_ids_equal_transformers(written: dict[str, Written], name: str) -> None:
-    assert_core(written[name])
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_the_transformers_4_layout_gives_the_same_ids(
-    written: dict[str, Written], name: str, tmp_path: Path
-) -> None:
-    assert_old_layout(written[name], tmp_path)
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_logprobs_within_tolerance(written: dict[str, Written], name: str) -> None:
-    assert_logprobs_close(written[name], written[name].model_dir)
-
-
-def test_the_scaled_context_is_served(written: dict[str, Written]) -> None:
+def test_the_scaled_context_is_served(written: WrittenFamilies) -> None:
     """yarn serves the context it was trained to (factor times the original); dynamic NTK
     extends max_position_embeddings by its factor. Both generations cross position 16."""
     yarn = parse_config(config_of(written["llama-yarn"].model_dir))
@@ -59,7 +35,7 @@ def test_the_scaled_context_is_served(written: dict[str, Written]) -> None:
 
 
 def test_the_load_says_where_dynamic_ntk_departs_from_transformers(
-    written: dict[str, Written], caplog: pytest.LogCaptureFixture
+    written: WrittenFamilies, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="kvgate.executor.config"):
         parse_config(config_of(written["llama-dynamic"].model_dir))

@@ -6,42 +6,17 @@ transformers code has no window, serve a ``sliding_window`` by capping the conte
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvgate.executor.config import ModelConfig, parse_config
-from tests.executor.family_cases import FAMILIES, WINDOW
-from tests.executor.family_checks import assert_core, assert_logprobs_close, assert_old_layout
-from tests.executor.hf_checkpoints import SHAPE, Written, as_transformers_4, config_of
+from tests.executor.family_cases import WINDOW, WrittenFamilies
+from tests.executor.hf_checkpoints import SHAPE, as_transformers_4, config_of
 
 GROUP = ["mistral-window", "qwen2-window", "qwen3-window"]
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Written]:
-    return {name: FAMILIES[name].write(name, tmp_path_factory.mktemp(name)) for name in GROUP}
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_greedy_ids_equal_transformers(written: dict[str, Written], name: str) -> None:
-    assert_core(written[name])
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_the_transformers_4_layout_gives_the_same_ids(
-    written: dict[str, Written], name: str, tmp_path: Path
-) -> None:
-    assert_old_layout(written[name], tmp_path)
-
-
-@pytest.mark.parametrize("name", GROUP)
-def test_logprobs_within_tolerance(written: dict[str, Written], name: str) -> None:
-    assert_logprobs_close(written[name], written[name].model_dir)
-
-
 @pytest.mark.parametrize("layout", ["transformers 5", "transformers 4"])
-def test_which_layers_slide(written: dict[str, Written], layout: str) -> None:
+def test_which_layers_slide(written: WrittenFamilies, layout: str) -> None:
     """transformers 5 lists layer_types; transformers 4's files leave them to each type's rule
     (Mistral: every layer; Qwen2: from max_window_layers on), which kvgate applies itself."""
 
