@@ -82,7 +82,13 @@ def hf_greedy(hf_model: Any, prompts: dict[str, list[int]]) -> dict[str, list[in
 def _run(
     loaded: LoadedModel, prompts: dict[str, list[int]], cfg: DriverConfig, stagger: bool
 ) -> dict[str, list[int]]:
-    executor = Executor(loaded, num_blocks=96, block_size=16, host_snapshot_blocks=48)
+    executor = Executor(
+        loaded,
+        num_blocks=96,
+        block_size=16,
+        host_snapshot_blocks=48,
+        batch_invariant=loaded.model.batch_invariant,
+    )
     requests = [
         (
             wire.NewRequest(
