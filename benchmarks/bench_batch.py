@@ -2,7 +2,7 @@
 requests, how long it takes, and how long its lines wait against the bound the scheduler gives.
 
     PYTHONPATH=. python benchmarks/bench_batch.py [--lines 10000] [--window 32] [--load 0.85]
-                                                  [--seed 1] [--json]
+        [--background-step-tokens 32 | --no-background] [--seed 1] [--json]
 
 One executor (the real scheduler over ``CountingExecutor``, which follows its plans and samples
 tokens as hashes: the scheduler's decisions are the real ones, at a fraction of ``SimExecutor``'s
@@ -13,7 +13,8 @@ Then two runs over the same interactive arrivals (Poisson at ``load`` x capacity
 as long as the batch runs):
 
 - ``alone``: interactive only;
-- ``with batch``: plus a batch of ``lines`` lines at the batch class (priority 100), fed as the
+- ``with batch``: plus a batch of ``lines`` lines at the batch class (priority 100, the
+  scheduler's background class unless ``--no-background``), fed as the
   feeder feeds it — ``window`` lines outstanding, the next one sent when an answer comes
   (``feed_delay_s`` later: the reply's and the next request's trip through Kafka).
 
@@ -132,10 +133,10 @@ class Requests:
 class Run:
     """One executor in simulated time; arrivals at given times, batch lines fed by answers."""
 
-    def __init__(self, cost: StepCost) -> None:
+    def __init__(self, cost: StepCost, config: SchedulerConfig = SCHEDULER) -> None:
         self.cost = cost
         self.scheduler = Scheduler(
-            SCHEDULER,
+            config,
             CacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, host_snapshot_blocks=1024),
             ModelShape(num_loops=1),
         )
@@ -257,6 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.85, help="interactive load / capacity")
     parser.add_argument("--feed-delay-ms", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--background-step-tokens",
+        type=int,
+        default=SchedulerConfig().background_step_tokens,
+        help="the background class's passes per step beside interactive work",
+    )
+    parser.add_argument(
+        "--no-background", action="store_true", help="batch lines as an ordinary priority class"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -267,7 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     delay_s = args.feed_delay_ms / 1000
 
     # With the batch: interactive arrivals go on for as long as the batch runs.
-    with_batch = Run(cost)
+    background = None if args.no_background else BATCH
+    config = SCHEDULER.model_copy(
+        update={
+            "background_priority": background,
+            "background_step_tokens": args.background_step_tokens,
+        }
+    )
+    with_batch = Run(cost, config)
     feeder = Feeder(with_batch, requests, args.lines, args.window, delay_s)
     horizon = 0.0
     while not feeder.done:
@@ -287,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     alone.run()
 
     # The batch without interactive traffic.
-    batch_only = Run(cost)
+    batch_only = Run(cost, config)
     alone_feeder = Feeder(batch_only, requests, args.lines, args.window, delay_s)
     batch_only.run(alone_feeder.on_finish)
 
@@ -305,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     waits = [line.admitted_s - line.arrival_s for line in batch_lines if line.admitted_s]
     bound = args.window - 1 + SCHEDULER.max_admission_bypasses
     report = {
+        "background_step_tokens": None if background is None else args.background_step_tokens,
         "capacity_requests_per_s": round(capacity, 2),
         "interactive_rate_per_s": round(rate, 2),
         "interactive_requests": len(with_ttft),

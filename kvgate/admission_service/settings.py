@@ -40,7 +40,8 @@ from kvgate.admission_service.tool_parsers import ToolCallFormat
 from kvgate.kafka_connection import KafkaConnection, NonEmptySecret, SettingsError, read_secret
 from kvgate.protocol import topics
 from kvgate.protocol.admin import ExecutorSpec
-from kvgate.scheduler.config import SchedulerConfig
+from kvgate.protocol.records import BATCH_PRIORITY
+from kvgate.scheduler.config import Policy, SchedulerConfig
 from kvgate.web.guard import HttpLimits
 
 ENV_PREFIX = "KVGATE_"
@@ -274,10 +275,15 @@ class ShutdownSettings(_Section):
 
 
 def _service_scheduler_defaults(value: object) -> object:
-    """The service keeps one plan in flight per executor unless told otherwise."""
-    if isinstance(value, Mapping):
-        return {"async_scheduling": True, **value}
-    return value
+    """The service keeps one plan in flight per executor, and runs the batches' class as the
+    scheduler's background class (under priority order, where classes exist), unless told
+    otherwise."""
+    if not isinstance(value, Mapping):
+        return value
+    defaults: dict[str, object] = {"async_scheduling": True}
+    if str(value.get("policy", Policy.PRIORITY)) == Policy.PRIORITY:
+        defaults["background_priority"] = BATCH_PRIORITY
+    return {**defaults, **value}
 
 
 _FILE_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("kvgate_settings_file")
@@ -302,7 +308,9 @@ class ServiceSettings(BaseSettings):
     )
 
     kafka: KafkaSettings
-    scheduler: SchedulerConfig = SchedulerConfig(async_scheduling=True)
+    scheduler: SchedulerConfig = SchedulerConfig(
+        async_scheduling=True, background_priority=BATCH_PRIORITY
+    )
     admin: AdminSettings = AdminSettings()
     executors: ExecutorsSettings = ExecutorsSettings()
     limits: LimitsSettings = LimitsSettings()

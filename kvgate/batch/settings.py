@@ -13,7 +13,7 @@ from typing import Annotated, Final, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvgate.protocol.records import REPLY_TOPIC_PATTERN
+from kvgate.protocol.records import BATCH_PRIORITY, REPLY_TOPIC_PATTERN
 
 TopicName = Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[a-zA-Z0-9._-]+$")]
 FILES_TOPIC: Final = "kvgate.files"
@@ -76,7 +76,7 @@ class BatchSettings(_Strict):
     feeder_group: Annotated[str, Field(min_length=1, max_length=249)] = FEEDER_GROUP
     # The batch class: every line's priority (lower is more important; interactive traffic
     # asks for 0..). A key whose min_priority is above it gets its min_priority instead.
-    priority: int = 100
+    priority: int = BATCH_PRIORITY
     # Lines of one batch sent and not yet answered (backpressure: the next line goes when an
     # answer comes).
     window: Annotated[int, Field(ge=1, le=10_000)] = 32

@@ -152,6 +152,11 @@ class ReplyTo(_Input):
     tokens: bool = False
 
 
+# The batches' class: every batch line's priority unless its settings say otherwise, and the
+# admission service's background class (the scheduler's ``background_priority``).
+BATCH_PRIORITY: Final = 100
+
+
 class InferenceRequest(_Input):
     """One generation job: ``prompt`` (token ids, or text when the service has a tokenizer) or
     ``messages`` (a conversation, rendered through the model's chat template); exactly one.

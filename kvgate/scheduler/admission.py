@@ -38,7 +38,12 @@ from kvgate.scheduler.config import AdmissionPricing, Fairness
 from kvgate.scheduler.events import AdmissionKind
 from kvgate.scheduler.kv import Page
 from kvgate.scheduler.plan import PlanBuilder
-from kvgate.scheduler.policy import EvictionReason, past_last_victim
+from kvgate.scheduler.policy import (
+    EvictionReason,
+    background_key,
+    is_background,
+    past_last_victim,
+)
 from kvgate.scheduler.preemption import evict_all, find_victims
 from kvgate.scheduler.request import AdmissionKey, Fill, Request, RequestStatus
 from kvgate.scheduler.state import SchedulerState
@@ -149,9 +154,17 @@ def admit(state: SchedulerState, builder: PlanBuilder) -> None:
     limit = config.max_admission_bypasses
     reserve = GrowthReserve(state)
     deferred: list[Request] = []
+    background = background_key(config)
     for _ in range(config.admission_scan_limit):
         request = state.waiting.pop()
         if request is None:
+            break
+        if (
+            background is not None
+            and request.key >= background
+            and _background_full(state, background, deferred)
+        ):
+            deferred.append(request)  # it and all behind it (background too) wait: no bypass
             break
         if _startable_now(state, request) and _try_start(state, request, reserve, builder):
             for blocked in deferred:
@@ -165,6 +178,22 @@ def admit(state: SchedulerState, builder: PlanBuilder) -> None:
             break
     for request in deferred:
         state.waiting.push(request)
+    # The scan pops in key order, and the background class is last: a more important request
+    # still waiting was popped and deferred (or more important work runs, which caps too).
+    builder.foreground_waiting = any(not is_background(config, r) for r in deferred)
+
+
+def _background_full(
+    state: SchedulerState, background: AdmissionKey, deferred: list[Request]
+) -> bool:
+    """Beside more important work (running, or waiting after this scan), the background class
+    holds at most ``background_step_tokens`` running requests: as many as its passes per step
+    can advance. More would only hold KV and slots that the other work takes back by
+    preemption."""
+    first = state.running.count_below(background)
+    if first == 0 and all(is_background(state.config, r) for r in deferred):
+        return False
+    return len(state.running) - first >= state.config.background_step_tokens
 
 
 def _try_start(

@@ -11,6 +11,14 @@ non-wavefront prefill row is its chunk length times the loop depth.
 
 ``refill`` mode gives a step prefill rows or decode rows (a decode step is due after
 ``max_prefill_steps_before_decode`` prefill steps); ``mixed`` mode puts both in one forward.
+
+The background class (``background_priority``) comes last in admission order. While a more
+important request runs or waits, the background's rows share at most ``background_step_tokens``
+passes, kept for it from the step's budget (so a step an interactive request's first token waits
+for is lengthened by at most that much background work, and a running background request still
+gets a row: its progress is bounded); with nothing else to run they get the whole budget. Under
+wavefront prefill a background fill's chunks are cut to that cap, so a chunk begun without it
+(its later depths are the same size) still fits under it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Protocol
 
 from kvgate.scheduler.config import Mode
 from kvgate.scheduler.plan import PlanBuilder
+from kvgate.scheduler.policy import background_key, is_background
 from kvgate.scheduler.request import Request, RequestStatus
 from kvgate.scheduler.state import SchedulerState
 
@@ -76,7 +85,41 @@ def _visit(
     *,
     stage: _Stage | None,
 ) -> int:
-    """Give rows to running requests in admission order; ``stage`` None admits both kinds."""
+    """Give rows to running requests in admission order, the background's capped while other
+    work is present; ``stage`` None admits both kinds."""
+    running = state.running.snapshot()
+    split = _capped_from(state, builder, running)
+    if split == len(running):
+        return _visit_rows(state, builder, rooms, running, budget, stage)
+    # The background's passes are kept from the rest (as many as it can use, a pass for a
+    # decode row): a running background request advances even when the other work could fill
+    # the step, and a pass it cannot use is not taken from the others.
+    cap = min(budget, state.config.background_step_tokens)
+    share = min(cap, sum(cap if r.fill is not None else 1 for r in running[split:]))
+    budget = _visit_rows(state, builder, rooms, running[:split], budget - share, stage)
+    return budget + _visit_rows(state, builder, rooms, running[split:], share, stage)
+
+
+def _capped_from(state: SchedulerState, builder: PlanBuilder, running: list[Request]) -> int:
+    """Index in ``running`` (admission order) of the first background request whose rows are
+    capped in this step; ``len(running)`` when none is."""
+    start = background_key(state.config)
+    if start is None:
+        return len(running)
+    split = state.running.count_below(start)
+    if split == 0 and not builder.foreground_waiting:
+        return len(running)  # only background work: it has the step to itself
+    return split
+
+
+def _visit_rows(
+    state: SchedulerState,
+    builder: PlanBuilder,
+    rooms: RoomMaker,
+    requests: list[Request],
+    budget: int,
+    stage: _Stage | None,
+) -> int:
     pool = state.pool
     block_size = pool.block_size
     step = state.step
@@ -85,7 +128,7 @@ def _visit(
     # Read once: an enum member lookup costs as much as the rest of a lean decode row.
     running = RequestStatus.RUNNING
     visit_fills, visit_decodes = stage is not _Stage.DECODE, stage is not _Stage.FILL
-    for request in state.running.snapshot():
+    for request in requests:
         if budget <= 0:
             break
         if request.status is not running:
@@ -140,10 +183,13 @@ def _schedule_fill(
 ) -> int:
     fill = request.fill
     assert fill is not None
+    chunk_size = state.config.prefill_chunk_size
+    if fill.wavefront and is_background(state.config, request):
+        chunk_size = min(chunk_size, state.config.background_step_tokens)
     for task in fill.ready_tasks():
         per_token = task.cost_per_token
         if task.chunk is None:
-            num_tokens = min(task.max_tokens, state.config.prefill_chunk_size, budget // per_token)
+            num_tokens = min(task.max_tokens, chunk_size, budget // per_token)
         else:
             num_tokens = task.max_tokens
             if num_tokens * per_token > budget:

@@ -113,6 +113,14 @@ class SchedulerConfig(_Settings):
     fair_burst_tokens: Annotated[int, Field(ge=0)] = 2048
     deadline_order: bool = False
     deadline_slack_s: Annotated[float, Field(gt=0.0)] = 600.0
+    # The background class (docs/scheduler.md, "Background work"): requests whose priority is at
+    # least background_priority (batch lines) run in what the rest leaves. While a request of a
+    # more important class runs or waits, the background holds at most background_step_tokens
+    # running requests and its rows get at most that many token passes of a step (never none,
+    # so a running background request keeps progressing); alone, it has the whole step.
+    # None: no background class.
+    background_priority: int | None = None
+    background_step_tokens: Annotated[int, Field(ge=1)] = 2
     # auto restore-mode cost model: seconds to move one block to host and back, and seconds of
     # compute per token per loop pass when recomputing. Executors report measured figures.
     snapshot_block_cost_s: Annotated[float, Field(gt=0.0)] = 2e-5
@@ -124,5 +132,10 @@ class SchedulerConfig(_Settings):
             raise ValueError(
                 f"prefill_chunk_size ({self.prefill_chunk_size}) exceeds "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+        if self.background_priority is not None and self.policy is not Policy.PRIORITY:
+            raise ValueError(
+                f"background_priority needs policy: priority (under {self.policy.value} every "
+                "request is one class)"
             )
         return self

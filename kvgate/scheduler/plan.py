@@ -40,6 +40,9 @@ class PlanBuilder:
         # Host blocks that swap-ins of this step give back. The executor swaps out before it
         # swaps in, so a snapshot taken in this step cannot use them yet.
         self.host_blocks_restored = 0
+        # A request more important than the background class was left waiting by this step's
+        # admission (batch.select_rows caps the background's rows while one is).
+        self.foreground_waiting = False
         self.report = StepReport(step_id)
 
     @property

@@ -91,6 +91,20 @@ def priority_class(policy: Policy, priority: int) -> int:
     return priority if policy is Policy.PRIORITY else 0
 
 
+def background_key(config: SchedulerConfig) -> AdmissionKey | None:
+    """The smallest admission key of the background class (``background_priority``): every
+    background request's key is at least this, every other request's below it. ``None``: the
+    scheduler has no background class."""
+    if config.background_priority is None:
+        return None
+    return (config.background_priority,)
+
+
+def is_background(config: SchedulerConfig, request: Request) -> bool:
+    start = config.background_priority
+    return start is not None and request.priority_class >= start
+
+
 def past_last_victim(
     requester: Request, victim: Request, reason: EvictionReason, *, fair: bool = False
 ) -> bool:

@@ -64,6 +64,16 @@ class Scheduler:
                 f"prefill token at every one of {model.num_loops} loops; raise it or enable "
                 "wavefront_prefill"
             )
+        if (
+            config.background_priority is not None
+            and not config.wavefront_prefill
+            and config.background_step_tokens < model.num_loops
+        ):
+            raise ValueError(
+                f"background_step_tokens ({config.background_step_tokens}) cannot hold one "
+                f"prefill token at every one of {model.num_loops} loops: a background request "
+                "could not progress beside other work; raise it or enable wavefront_prefill"
+            )
         pool = BlockPool(
             cache.num_blocks, cache.block_size, model.num_loops, cache.enable_prefix_caching
         )

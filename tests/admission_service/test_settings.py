@@ -17,6 +17,7 @@ import pytest
 from kvgate.admission_service.settings import ExactlyOnce, load_settings
 from kvgate.kafka_connection import SettingsError
 from kvgate.protocol.enums import SaslMechanism, SecurityProtocol
+from kvgate.protocol.records import BATCH_PRIORITY
 from kvgate.scheduler.config import PreemptionMode
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -51,6 +52,22 @@ def test_file_values_defaults_and_environment_override(
 def test_async_scheduling_can_be_switched_off(tmp_path: Path) -> None:
     path = write(tmp_path, "kafka: {bootstrap_servers: k:1}\nscheduler: {async_scheduling: false}")
     assert load_settings(path).scheduler.async_scheduling is False
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ("{}", BATCH_PRIORITY),  # the batches' class is the background
+        ("{background_priority: 50}", 50),
+        ("{background_priority: null}", None),  # off
+        ("{policy: fcfs}", None),  # one class: no background to speak of
+    ],
+)
+def test_the_batches_class_is_the_background_by_default(
+    tmp_path: Path, section: str, expected: int | None
+) -> None:
+    path = write(tmp_path, f"kafka: {{bootstrap_servers: k:1}}\nscheduler: {section}")
+    assert load_settings(path).scheduler.background_priority == expected
 
 
 @pytest.mark.parametrize(

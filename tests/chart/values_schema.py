@@ -6,7 +6,8 @@ dialect to the JSON Schema draft 7 that helm checks values with:
 
 - `minimum` with `exclusiveMinimum: true` (draft 4) becomes `exclusiveMinimum: <number>`; the
   same for maximum;
-- `x-kubernetes-*` and `format` annotations are dropped;
+- `x-kubernetes-*` and `format` annotations are dropped; `nullable: true` makes `null` one more
+  type;
 - an object with declared properties (our own objects) gets `additionalProperties: false`,
   which the API server expresses by pruning unknown fields instead; objects that preserve
   unknown fields (affinity) or are maps (nodeSelector, resources) stay open.
@@ -69,6 +70,8 @@ def to_draft7(node: Schema) -> Schema:
             out[key] = [to_draft7(child) for child in value]
         else:
             out[key] = copy.deepcopy(value)
+    if out.pop("nullable", False) and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]  # OpenAPI's nullable: null is one more type
     closed = "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields")
     if node.get("type") == "object" and closed and "additionalProperties" not in node:
         out["additionalProperties"] = False
