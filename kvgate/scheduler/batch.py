@@ -14,11 +14,11 @@ non-wavefront prefill row is its chunk length times the loop depth.
 
 The background class (``background_priority``) comes last in admission order. While a more
 important request runs or waits, the background's rows share at most ``background_step_tokens``
-passes, kept for it from the step's budget (so a step an interactive request's first token waits
-for is lengthened by at most that much background work, and a running background request still
-gets a row: its progress is bounded); with nothing else to run they get the whole budget. Under
-wavefront prefill a background fill's chunks are cut to that cap, so a chunk begun without it
-(its later depths are the same size) still fits under it.
+passes, kept for it from a budget of at least twice that (so a step an interactive request's
+first token waits for is lengthened by at most that much background work, and a running
+background request still gets a row: its progress is bounded); with nothing else to run they
+get the whole budget. Under wavefront prefill a background fill's chunks are cut to that cap, so
+a chunk begun without it (its later depths are the same size) still fits under it.
 """
 
 from __future__ import annotations
@@ -91,13 +91,18 @@ def _visit(
     split = _capped_from(state, builder, running)
     if split == len(running):
         return _visit_rows(state, builder, rooms, running, budget, stage)
-    # The background's passes are kept from the rest (as many as it can use, a pass for a
-    # decode row): a running background request advances even when the other work could fill
-    # the step, and a pass it cannot use is not taken from the others.
-    cap = min(budget, state.config.background_step_tokens)
-    share = min(cap, sum(cap if r.fill is not None else 1 for r in running[split:]))
-    budget = _visit_rows(state, builder, rooms, running[:split], budget - share, stage)
-    return budget + _visit_rows(state, builder, rooms, running[split:], share, stage)
+    cap = state.config.background_step_tokens
+    if budget >= 2 * cap:
+        # The background's passes are kept from the rest (as many as it can use, a pass for a
+        # decode row): a running background request advances even when the other work could
+        # fill the step, and a pass it cannot use is not taken from the others.
+        share = min(cap, sum(cap if r.fill is not None else 1 for r in running[split:]))
+        budget = _visit_rows(state, builder, rooms, running[:split], budget - share, stage)
+        return budget + _visit_rows(state, builder, rooms, running[split:], share, stage)
+    # A budget under twice the cap (never at the defaults) keeps nothing for the background.
+    budget = _visit_rows(state, builder, rooms, running[:split], budget, stage)
+    share = min(budget, cap)
+    return budget - share + _visit_rows(state, builder, rooms, running[split:], share, stage)
 
 
 def _capped_from(state: SchedulerState, builder: PlanBuilder, running: list[Request]) -> int:

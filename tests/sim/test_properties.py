@@ -191,3 +191,38 @@ def test_random_tenant_mixes_drain_with_invariants_and_reference_outputs(
     """Liveness under any tenant mix: every request finishes within the same bound, with the
     fair-order invariant and the bypass bound checked after every step."""
     _assert_drains(workload)
+
+
+BACKGROUND_EXAMPLES = int(os.environ.get("KVGATE_PROPERTY_EXAMPLES_BACKGROUND", "300"))
+
+
+@st.composite
+def background_workloads(draw: st.DrawFn) -> Workload:
+    """A random workload under priority order whose least important classes are the background
+    class, with a random cap (at least one prefill token at every loop without wavefront)."""
+    workload = draw(workloads())
+    scheduler = workload.scheduler
+    loops = workload.model.loops
+    least = 1 if scheduler.wavefront_prefill else loops
+    scheduler = scheduler.model_copy(
+        update={
+            "policy": Policy.PRIORITY,
+            "background_priority": draw(st.integers(1, 3)),
+            "background_step_tokens": draw(st.integers(least, least + 3)),
+        }
+    )
+    return workload.model_copy(update={"scheduler": scheduler})
+
+
+@settings(
+    max_examples=BACKGROUND_EXAMPLES,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(background_workloads())
+def test_random_background_mixes_drain_with_invariants_and_reference_outputs(
+    workload: Workload,
+) -> None:
+    """Liveness with a background class: every request finishes within the same bound."""
+    _assert_drains(workload)
