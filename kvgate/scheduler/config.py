@@ -118,7 +118,8 @@ class SchedulerConfig(_Settings):
     # more important class runs or waits, the background holds at most background_step_tokens
     # running requests and its rows get at most that many token passes of a step (never none,
     # so a running background request keeps progressing); alone, it has the whole step.
-    # None: no background class.
+    # Without wavefront prefill the scheduler raises it to the loop count (one prefill token at
+    # every loop). None: no background class.
     background_priority: int | None = None
     background_step_tokens: Annotated[int, Field(ge=1)] = 2
     # auto restore-mode cost model: seconds to move one block to host and back, and seconds of

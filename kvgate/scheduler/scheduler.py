@@ -64,16 +64,10 @@ class Scheduler:
                 f"prefill token at every one of {model.num_loops} loops; raise it or enable "
                 "wavefront_prefill"
             )
-        if (
-            config.background_priority is not None
-            and not config.wavefront_prefill
-            and config.background_step_tokens < model.num_loops
-        ):
-            raise ValueError(
-                f"background_step_tokens ({config.background_step_tokens}) cannot hold one "
-                f"prefill token at every one of {model.num_loops} loops: a background request "
-                "could not progress beside other work; raise it or enable wavefront_prefill"
-            )
+        if not config.wavefront_prefill and config.background_step_tokens < model.num_loops:
+            # The background's share holds at least one prefill token at every loop, or a
+            # background fill could not advance beside other work (documented floor).
+            config = config.model_copy(update={"background_step_tokens": model.num_loops})
         pool = BlockPool(
             cache.num_blocks, cache.block_size, model.num_loops, cache.enable_prefix_caching
         )

@@ -138,9 +138,18 @@ def test_wavefront_chunks_begun_alone_fit_beside_other_work() -> None:
     assert set(order[:2]) == {"b0", "b1"}
 
 
-def test_the_class_needs_priority_order_and_room_for_a_pass_at_every_loop() -> None:
+def test_the_class_needs_priority_order_and_a_share_of_a_pass_at_every_loop() -> None:
+    """Without wavefront prefill a prefill token costs a pass at every loop: the share is raised
+    to the loop count (the admission service's default of 2 on a model of 3 loops)."""
     with pytest.raises(ValidationError, match="background_priority needs policy: priority"):
         SchedulerConfig(policy="fcfs", background_priority=BACKGROUND)
-    with pytest.raises(ValueError, match="background_step_tokens \\(2\\) cannot hold"):
-        Rig(num_blocks=64, loops=3, background_priority=BACKGROUND, background_step_tokens=2)
-    Rig(num_blocks=64, loops=3, background_priority=BACKGROUND, background_step_tokens=3)
+    rig = Rig(num_blocks=64, loops=3, background_priority=BACKGROUND, background_step_tokens=2)
+    assert rig.scheduler.config.background_step_tokens == 3
+    wavefront = Rig(
+        num_blocks=64,
+        loops=3,
+        wavefront_prefill=True,
+        background_priority=BACKGROUND,
+        background_step_tokens=2,
+    )
+    assert wavefront.scheduler.config.background_step_tokens == 2

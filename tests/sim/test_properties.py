@@ -199,16 +199,13 @@ BACKGROUND_EXAMPLES = int(os.environ.get("KVGATE_PROPERTY_EXAMPLES_BACKGROUND", 
 @st.composite
 def background_workloads(draw: st.DrawFn) -> Workload:
     """A random workload under priority order whose least important classes are the background
-    class, with a random cap (at least one prefill token at every loop without wavefront)."""
+    class, with a random cap (the scheduler raises it to the loop count without wavefront)."""
     workload = draw(workloads())
-    scheduler = workload.scheduler
-    loops = workload.model.loops
-    least = 1 if scheduler.wavefront_prefill else loops
-    scheduler = scheduler.model_copy(
+    scheduler = workload.scheduler.model_copy(
         update={
             "policy": Policy.PRIORITY,
             "background_priority": draw(st.integers(1, 3)),
-            "background_step_tokens": draw(st.integers(least, least + 3)),
+            "background_step_tokens": draw(st.integers(1, 5)),
         }
     )
     return workload.model_copy(update={"scheduler": scheduler})
