@@ -47,6 +47,7 @@ from kvgate.scheduler.config import CacheConfig, ModelShape, SchedulerConfig
 from kvgate.scheduler.events import FinishedEvent, StepReport, TokenEvent
 from kvgate.scheduler.request import RequestSpec
 from kvgate.scheduler.scheduler import Scheduler
+from kvgate.sim.cluster import StepCost
 from kvgate.sim.counting_executor import CountingExecutor
 
 INTERACTIVE, BATCH = 0, 100  # priorities (lower is more important)
@@ -56,20 +57,6 @@ NUM_BLOCKS, BLOCK_SIZE = 4096, 16  # 65,536 tokens of KV
 SCHEDULER = SchedulerConfig(
     max_num_seqs=64, max_num_batched_tokens=2048, prefill_chunk_size=512, async_scheduling=False
 )
-
-
-@dataclass(frozen=True, slots=True)
-class StepCost:
-    overhead_s: float = 0.004
-    prefill_token_s: float = 0.00005
-    decode_row_s: float = 0.0002
-
-    def seconds(self, report: StepReport) -> float:
-        return (
-            self.overhead_s
-            + self.prefill_token_s * report.prefill_tokens
-            + self.decode_row_s * report.decode_rows
-        )
 
 
 @dataclass(frozen=True, slots=True)
