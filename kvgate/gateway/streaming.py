@@ -18,7 +18,7 @@ the result says whether it was one. The ids are the result's (``protocol.tools.t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from kvgate.admission_service.tokenizer import TextCodec
@@ -53,7 +53,7 @@ class _ChoiceStream:
     held: str = ""  # text received and held back (it may be a tool call)
     calling: bool = False  # a call may have begun: nothing more goes out as content
     arguments_opened: bool = False  # a named call's first delta (id, name) went out
-    logprobs: list[OutputLogprobs] = field(default_factory=list)
+    logprobs_sent: int = 0  # logprob entries sent (one per token, in order)
 
 
 class StreamAssembler:
@@ -170,6 +170,7 @@ class StreamAssembler:
         if not delta and not logprobs:
             return []
         stream.sent += delta
+        stream.logprobs_sent += len(logprobs or ())
         return [self._choice(chunk.choice, content=delta, logprobs=logprobs)]
 
     def _unless_a_call(self, stream: _ChoiceStream, delta: str) -> str:
@@ -256,7 +257,13 @@ class StreamAssembler:
             # What the final text holds beyond what was sent (nothing if a decoder was not
             # prefix-stable: the chunks never contradict what went out).
             rest = final[len(stream.sent) :] if final.startswith(stream.sent) else ""
-            if rest:
-                events.append(self._choice(index, content=rest))
+            # The logprobs of tokens whose chunks the result overtook (read from another
+            # topic, it may arrive first): every token's entry is sent once, in order.
+            unsent = (choice.logprobs or [])[stream.logprobs_sent :]
+            if self.mapped.top_logprobs is None:
+                unsent = []
+            if rest or unsent:
+                events.append(self._choice(index, content=rest, logprobs=unsent or None))
+                stream.logprobs_sent += len(unsent)
         events.append(self._choice(index, finish=finish_reason(choice.finish_reason)))
         return events

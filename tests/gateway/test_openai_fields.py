@@ -253,6 +253,26 @@ def test_a_stream_of_two_choices_with_logprobs() -> None:
     assert finishes == {0: "stop", 1: "length"}
 
 
+def test_a_result_that_overtakes_its_token_chunks_brings_the_rest_of_the_logprobs() -> None:
+    """Token chunks and results come from two topics: when the result arrives after only some
+    of a choice's chunks, the last event carries the rest of the text and of the logprobs, and
+    every token has its one entry, in order."""
+    mapped = _map({"messages": USER, "stream": True, "logprobs": True, "top_logprobs": 1})
+    entries = [OutputLogprobs(token_id=ord(c), logprob=-0.5, token=c, top=[]) for c in "hello"]
+    result = _result(
+        text="hello",
+        choices=[Choice(index=0, finish_reason=FinishReason.LENGTH, text="hello",
+                        logprobs=entries)],
+    )  # fmt: skip
+    events = _stream(mapped, _chunks("he", 0, -0.5), result)
+    assert "".join(_deltas(events, 0, "content")) == "hello"
+    sent = [
+        entry["token"] for e in events for c in e["choices"] if c.get("logprobs")
+        for entry in c["logprobs"]["content"]
+    ]  # fmt: skip
+    assert sent == list("hello")
+
+
 def test_a_named_call_streams_its_arguments_and_an_auto_call_is_held_back() -> None:
     named = _map({"messages": USER, "stream": True, "tools": [TOOL],
                   "tool_choice": {"type": "function", "function": {"name": "add"}}})  # fmt: skip
