@@ -190,7 +190,10 @@ async def test_the_first_token_reaches_the_client_before_any_commit_cycle(
         # The result (and so the stream's end) does not wait for the 60 s interval either:
         # an answer with a reply address starts a cycle at once.
         await answer.rest()
-        assert len(answer.texts) == 8
+        # Eight tokens, in at least two events: the first above, and the rest as their chunks
+        # come, or whole with the result where it overtakes them (two topics; the count is not
+        # fixed, the text is).
+        assert len(answer.texts) >= 2
         results = await read_results(
             pool.broker.bootstrap, pool.topics.results, 1, read_committed=False
         )
