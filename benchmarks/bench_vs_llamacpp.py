@@ -65,10 +65,7 @@ NEW_TOKENS = 64
 BATCH1_PROMPT = 128
 BATCH1_NEW = 128
 PREFILL_REPEATS = 7
-BLOCK_SIZE = 32
-KV_BLOCKS = 400  # 32 requests x (256 + 64) positions / 32 = 320 blocks at most
-MAX_NUM_SEQS = 32
-MAX_BATCHED_TOKENS = 1024
+# kvgate's scheduler limits and KV cache: bench_vs_vllm's (kvgate_generator), the same as there.
 CONTEXT_TOKENS = 1024
 
 ENGINES = ("kvgate", "kvgate-float32", "llamacpp")
@@ -132,13 +129,10 @@ def _kvgate_engine(spec: dict[str, Any], dtype: str) -> tuple[Any, int]:
     """``generate(prompts, max_tokens) -> outputs`` and the bytes the weights hold."""
     import torch
 
-    from kvgate.executor.executor import Executor
+    from benchmarks.bench_vs_vllm import kvgate_generator
     from kvgate.executor.loader import load_model
     from kvgate.executor.quantized import weight_nbytes
-    from kvgate.protocol.enums import DType, ExitPolicy
-    from kvgate.scheduler.config import SchedulerConfig
-    from kvgate.sim.runner import run_once
-    from kvgate.sim.workload import CacheSection, ModelSection, Workload, WorkloadRequest
+    from kvgate.protocol.enums import DType
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     loaded = load_model(spec["gguf"], dtype="auto" if dtype == "auto" else DType(dtype))
@@ -151,32 +145,7 @@ def _kvgate_engine(spec: dict[str, Any], dtype: str) -> tuple[Any, int]:
     if weights.lm_head is not weights.embed:
         tensors.append(weights.lm_head)
     weight_bytes = sum(weight_nbytes(t) for t in tensors if t is not None)
-    config = loaded.model.config
-    executor = Executor(
-        loaded, num_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, exit_policy=ExitPolicy.FIXED
-    )
-    model = ModelSection(vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
-    cache = CacheSection(num_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=False)
-    scheduler = SchedulerConfig(
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        prefill_chunk_size=MAX_BATCHED_TOKENS,
-    )
-
-    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        requests = [
-            WorkloadRequest(id=f"r{i:03d}", prompt=p, max_tokens=max_tokens, ignore_eos=True)
-            for i, p in enumerate(prompts)
-        ]
-        workload = Workload(model=model, cache=cache, scheduler=scheduler, requests=requests)
-        with torch.inference_mode():
-            result = run_once(workload, executor=executor, check=False, audit=False)
-        outcomes = [result.outcomes[r.id] for r in requests]
-        if any(o.status != "finished" for o in outcomes):
-            raise RuntimeError(f"kvgate left requests unfinished: {result.stalled}")
-        return [list(o.output_token_ids) for o in outcomes]
-
-    return generate, weight_bytes
+    return kvgate_generator(loaded), weight_bytes
 
 
 def _llamacpp_engine(spec: dict[str, Any]) -> tuple[Any, int | None]:

@@ -178,27 +178,32 @@ def _kvgate_engine(spec: dict[str, Any], batch_invariant: bool = False) -> Any:
     in one process, the way ``kvgate sim --executor real`` runs them."""
     import torch
 
-    from kvgate.executor.executor import Executor
     from kvgate.executor.loader import load_model
-    from kvgate.protocol.enums import DType, ExitPolicy
-    from kvgate.scheduler.config import SchedulerConfig
-    from kvgate.sim.runner import run_once
-    from kvgate.sim.workload import (
-        CacheSection,
-        ModelSection,
-        Workload,
-        WorkloadRequest,
-    )
+    from kvgate.protocol.enums import DType
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     loaded = load_model(spec["model_dir"], dtype=DType.FLOAT32, batch_invariant=batch_invariant)
+    return kvgate_generator(loaded)
+
+
+def kvgate_generator(loaded: Any) -> Any:
+    """``generate(prompts, max_tokens) -> outputs`` over a loaded model: the real scheduler and
+    executor in one process (greedy, ``ignore_eos``), as both CPU comparisons run kvgate."""
+    import torch
+
+    from kvgate.executor.executor import Executor
+    from kvgate.protocol.enums import ExitPolicy
+    from kvgate.scheduler.config import SchedulerConfig
+    from kvgate.sim.runner import run_once
+    from kvgate.sim.workload import CacheSection, ModelSection, Workload, WorkloadRequest
+
     config = loaded.model.config
     executor = Executor(
         loaded,
         num_blocks=KV_BLOCKS,
         block_size=BLOCK_SIZE,
         exit_policy=ExitPolicy.FIXED,
-        batch_invariant=batch_invariant,
+        batch_invariant=loaded.model.batch_invariant,
     )
     model = ModelSection(vocab_size=config.vocab_size, eos_token_id=config.eos_token_id)
     cache = CacheSection(num_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=False)
