@@ -53,7 +53,7 @@ from kvgate.admission_service.placement import (
     Placer,
     pull,
 )
-from kvgate.admission_service.quotas import Quotas, TenantsSettings
+from kvgate.admission_service.quotas import Quotas
 from kvgate.admission_service.stops import find_stop, stop_window_tokens
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer, traceparent_of_span
@@ -68,7 +68,7 @@ from kvgate.protocol.enums import FinishReason
 from kvgate.protocol.migration import TransferError, TransferFailure
 from kvgate.protocol.records import RejectCode, ResultStatus, SourceRef
 from kvgate.protocol.step import StepPlan, StepResult
-from kvgate.protocol.tenants import DEFAULT_TENANT
+from kvgate.protocol.tenants import DEFAULT_TENANT, TenantsSettings
 from kvgate.scheduler.config import SchedulerConfig
 from kvgate.scheduler.events import (
     FinishedEvent,

@@ -1,5 +1,6 @@
 """Per-tenant quotas in tokens per minute, enforced where every request of the pool passes: the
-admission service (pure: time is passed in).
+admission service (pure: time is passed in). The settings (``TenantsSettings``) are the
+protocol's, shared with the ExecutorPool's ``spec.tenants``.
 
 A tenant's quota is a token bucket: it holds up to ``burst_tokens`` (default: one minute's worth)
 and refills at ``tokens_per_minute / 60`` per second. A request is charged when it is read: its
@@ -17,33 +18,8 @@ when requests spread evenly over partitions, as the gateway divides its per-key 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from kvgate.protocol.tenants import DEFAULT_TENANT, TenantName
-
-
-class TenantQuota(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    tokens_per_minute: Annotated[int, Field(ge=1)]
-    burst_tokens: Annotated[int, Field(ge=1)] | None = None  # None: tokens_per_minute
-
-    @property
-    def capacity(self) -> int:
-        return self.burst_tokens if self.burst_tokens is not None else self.tokens_per_minute
-
-
-class TenantsSettings(BaseModel):
-    """The service's ``tenants`` section: quotas by tenant (weights for fair sharing are the
-    scheduler's ``tenant_weights``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    quotas: dict[TenantName, TenantQuota] = Field(default_factory=dict)
-    # The quota of every tenant not listed (``default`` included); None: no limit.
-    default_quota: TenantQuota | None = None
+from kvgate.protocol.tenants import DEFAULT_TENANT, TenantQuota, TenantsSettings
 
 
 @dataclass(slots=True)

@@ -35,12 +35,12 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvgate.admission_service.placement import PlacementSettings
-from kvgate.admission_service.quotas import TenantsSettings
 from kvgate.admission_service.tool_parsers import ToolCallFormat
 from kvgate.kafka_connection import KafkaConnection, NonEmptySecret, SettingsError, read_secret
 from kvgate.protocol import topics
 from kvgate.protocol.admin import ExecutorSpec
 from kvgate.protocol.records import BATCH_PRIORITY
+from kvgate.protocol.tenants import TenantsSettings
 from kvgate.scheduler.config import Policy, SchedulerConfig
 from kvgate.web.guard import HttpLimits
 

@@ -38,6 +38,7 @@ from kvgate.protocol.enums import (
     SaslMechanism,
     SecurityProtocol,
 )
+from kvgate.protocol.tenants import TenantsSettings
 from kvgate.scheduler.config import SchedulerConfig
 
 
@@ -362,6 +363,8 @@ class ExecutorPoolSpec(_Spec):
     affinity: dict[str, Any] | None = None
     kv_cache: KvCacheSpec = KvCacheSpec()
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Per-tenant quotas, enforced by the pool's admission service (docs/admission-service.md).
+    tenants: TenantsSettings = TenantsSettings()
     kafka: KafkaSpec
     telemetry: TelemetrySpec = TelemetrySpec()
     token_secret: TokenSecretRef

@@ -18,7 +18,6 @@ from kvgate.admission_service.engine import Engine, EngineSettings
 from kvgate.admission_service.executor_handle import SessionSettings
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.placement import PlacementSettings
-from kvgate.admission_service.quotas import TenantsSettings
 from kvgate.admission_service.settings import LimitsSettings
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer
@@ -30,6 +29,7 @@ from kvgate.admission_service.validation import (
 )
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState
 from kvgate.protocol.records import InferenceResult, ReplyTo, ResultStatus, SourceRef, TokenChunk
+from kvgate.protocol.tenants import TenantsSettings
 from kvgate.scheduler.config import PreemptionMode, SchedulerConfig
 from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 

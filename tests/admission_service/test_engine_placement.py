@@ -4,9 +4,9 @@ joins with its place kept, tenants reach the scheduler, and quotas reject what i
 
 from __future__ import annotations
 
-from kvgate.admission_service.quotas import TenantQuota, TenantsSettings
 from kvgate.protocol.admin import ExecutorSpec, ExecutorState
 from kvgate.protocol.records import RejectCode, ResultStatus
+from kvgate.protocol.tenants import TenantQuota, TenantsSettings
 from kvgate.sim.backend import SimExecutorConfig
 
 from .helpers import (

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.admission_service.quotas import Quotas, TenantQuota, TenantsSettings
+from kvgate.admission_service.quotas import Quotas
+from kvgate.protocol.tenants import TenantQuota, TenantsSettings
 
 PER_MINUTE = 600  # 10 tokens per second
 

@@ -134,7 +134,7 @@ def test_one_executorpool_crd_shared_with_the_operator_tests() -> None:
 # pool it returns, so a default here would show the field to an operator older than it (the
 # one still running during an upgrade, or one rolled back to), which refuses unknown fields:
 # every pool would turn InvalidSpec. The operator's model supplies the default instead.
-ADDED_FIELDS = [("kafka", "createTopics")]
+ADDED_FIELDS = [("kafka", "createTopics"), ("tenants",)]
 
 
 def test_fields_added_later_have_no_schema_default() -> None:
@@ -163,6 +163,12 @@ def test_example_pool_is_valid_for_the_crd_and_the_operator(rendered: Rendered) 
         PoolRef(pool["metadata"]["name"], pool["metadata"]["namespace"], "uid"), spec
     )
     assert config["kafka"]["create_topics"] is spec.kafka.create_topics
+    # Quotas set in the values reach the service's file by its own names.
+    pool_values = rendered.value_set.values["examplePool"].get("spec", {})
+    quotas = pool_values.get("tenants", {}).get("quotas", {})
+    for tenant, quota in quotas.items():
+        written = config["tenants"]["quotas"][tenant]
+        assert written["tokens_per_minute"] == quota["tokensPerMinute"]
     assert pool["spec"]["image"].startswith(
         rendered.value_set.values.get("images", {}).get("registry", "kvgate-executor")
     )

@@ -136,6 +136,18 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
         "/examplePool/spec/kvCache/memoryFraction",
         "exclusiveMinimum",
     ),
+    (
+        "pool quota zero",
+        {"examplePool": {"spec": {"tenants": {"quotas": {"a": {"tokensPerMinute": 0}}}}}},
+        "/examplePool/spec/tenants/quotas/a/tokensPerMinute",
+        "minimum",
+    ),
+    (
+        "pool quota misspelled",
+        {"examplePool": {"spec": {"tenants": {"defaultQuota": {"tokens_per_minute": 5}}}}},
+        "/examplePool/spec/tenants/defaultQuota",
+        "'tokens_per_minute'",
+    ),
 ]
 
 
@@ -171,7 +183,13 @@ def test_good_neighbours_of_the_bad_values_pass(helm: Helm, scratch: Path) -> No
             "bootstrapServers": "a:1,b:2",
             "security": {"protocol": "SSL", "tls": {"secretName": "ca"}},
         },
-        "examplePool": {"enabled": True, "spec": {"replicas": 1024}},
+        "examplePool": {
+            "enabled": True,
+            "spec": {
+                "replicas": 1024,
+                "tenants": {"quotas": {"a": {"tokensPerMinute": 1, "burstTokens": 1}}},
+            },
+        },
     }
     result = _template(helm, scratch, "good-neighbours", values)
     assert result.returncode == 0, result.stderr

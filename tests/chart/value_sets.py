@@ -97,6 +97,10 @@ VALUE_SETS: tuple[ValueSet, ...] = (
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
                     "kvCache": {"memoryFraction": 0.9, "hostSnapshotBlocks": 4096},
                     "scheduler": {"maxNumSeqs": 128, "preemption": "auto", "mode": "mixed"},
+                    "tenants": {
+                        "quotas": {"team-a": {"tokensPerMinute": 2000000}},
+                        "defaultQuota": {"tokensPerMinute": 200000, "burstTokens": 400000},
+                    },
                     "telemetry": {"otlpEndpoint": "http://otel-collector.observability:4318"},
                     "tokenSecret": {"name": "ouro-executor-token", "key": "token"},
                     "drainTimeoutSeconds": 600,

@@ -41,6 +41,10 @@ FULL_SPEC: dict[str, Any] = {
         "watermarkRatio": 0.05,
         "snapshotBlockCostS": 1e-5,
     },
+    "tenants": {
+        "quotas": {"team-a": {"tokensPerMinute": 600000, "burstTokens": 1200000}},
+        "defaultQuota": {"tokensPerMinute": 60000},
+    },
     "kafka": {
         "bootstrapServers": "kafka-0:9093,kafka-1:9093",
         "topics": {"tokens": "kvgate.tokens"},

@@ -250,7 +250,15 @@ def test_the_kubelet_waits_for_the_whole_admission_shutdown() -> None:
 
 def test_admission_config_file_contents() -> None:
     config = build_admission_config(POOL, parse_spec(POOL.name, FULL_SPEC))
-    assert set(config) == {"kafka", "scheduler", "admin", "executors", "telemetry", "shutdown"}
+    assert set(config) == {
+        "kafka",
+        "scheduler",
+        "tenants",
+        "admin",
+        "executors",
+        "telemetry",
+        "shutdown",
+    }
     assert config["kafka"] == {
         "bootstrap_servers": "kafka-0:9093,kafka-1:9093",
         "request_topic": "kvgate.requests",
@@ -277,6 +285,11 @@ def test_admission_config_file_contents() -> None:
         "watermark_ratio": 0.05,
         "snapshot_block_cost_s": 1e-5,
     }
+    # The quotas by the service's names, only what the pool sets.
+    assert config["tenants"] == {
+        "quotas": {"team-a": {"tokens_per_minute": 600000, "burst_tokens": 1200000}},
+        "default_quota": {"tokens_per_minute": 60000},
+    }
     assert config["admin"] == {
         "host": "0.0.0.0",  # reached by the pod IP (the service's own default is loopback)
         "port": 8080,
@@ -292,6 +305,19 @@ def test_admission_config_file_contents() -> None:
         "model_name": "/models/ouro-1.4b",
         "otlp_endpoint": "http://otel-collector:4318",
     }
+
+
+def test_the_pools_quotas_reach_the_service_as_it_enforces_them() -> None:
+    """The file the operator writes is read by the service's own settings into the quotas the
+    pool set (not the service's defaults), and a quota change restarts the service."""
+    full = parse_spec(POOL.name, FULL_SPEC)
+    rendered = build_admission_configmap(POOL, full)["data"][CONFIG_KEY]
+    tenants = load_settings(None, yaml.safe_load(rendered)).tenants
+    assert tenants.quotas["team-a"].tokens_per_minute == 600000
+    assert tenants.quotas["team-a"].capacity == 1200000
+    assert tenants.default_quota is not None and tenants.default_quota.capacity == 60000
+    quota = {"quotas": {"team-a": {"tokensPerMinute": 1000}}}
+    assert config_hash(POOL, spec(), "t") != config_hash(POOL, spec(tenants=quota), "t")
 
 
 def test_a_new_model_restarts_the_admission_service() -> None:
@@ -325,6 +351,8 @@ def test_admission_config_defaults_and_no_secrets_inline() -> None:
     assert config["kafka"]["create_topics"] is False
     assert "token_topic" not in config["kafka"] and "sasl_username" not in config["kafka"]
     assert config["scheduler"] == {}
+    # No tenants section unless the pool sets one: a pool's file (and hash) stays as it was.
+    assert "tenants" not in config
     text = build_admission_configmap(POOL, parse_spec(POOL.name, FULL_SPEC))["data"][
         "admission.yaml"
     ]

@@ -170,6 +170,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("create topics", {"kafka": {"bootstrapServers": "k:1", "createTopics": "yes"}}, "'yes'"),
     ("token secret", {"tokenSecret": {"key": "token"}}, "'name' is a required property"),
     ("admission replicas", {"admission": {"replicas": 2}}, "greater than the maximum of 1"),
+    ("quota zero", {"tenants": {"quotas": {"a": {"tokensPerMinute": 0}}}}, "less than the min"),
+    ("quota no rate", {"tenants": {"defaultQuota": {"burstTokens": 5}}}, "'tokensPerMinute'"),
     ("drain timeout", {"drainTimeoutSeconds": 0}, "less than the minimum of 1"),
     ("otlp", {"telemetry": {"otlpEndpoint": "collector:4318"}}, "does not match"),
     ("otlp-protocol", {"telemetry": {"otlpProtocol": "http/json"}}, "is not one of"),
@@ -340,6 +342,10 @@ def _compare(model: type[BaseModel], schema: dict[str, Any], path: str) -> list[
         elif origin is dict:
             if node.get("type") != "object":
                 problems.append(f"{where}: not an object in the CRD")
+            value_type, _ = _unwrap(typing.get_args(kind)[1])
+            if isinstance(value_type, type) and issubclass(value_type, BaseModel):
+                values = node.get("additionalProperties", {})
+                problems += _compare(value_type, values, f"{where}{{}}")
         elif isinstance(kind, type) and issubclass(kind, Enum):
             if node.get("enum") != [member.value for member in kind]:
                 problems.append(f"{where}: enum {node.get('enum')} != {[m.value for m in kind]}")

@@ -93,6 +93,14 @@ def test_defaults() -> None:
         ({"scheduler": {"max_num_seqs": 8}}, "unknown scheduler setting 'max_num_seqs'"),
         ({"scheduler": {"preemption": "never"}}, "spec.scheduler.preemption: Input should be"),
         (
+            {"tenants": {"quotas": {"a": {"tokensPerMinute": 0}}}},
+            "spec.tenants.quotas.a.tokensPerMinute: Input should be greater than or equal to 1",
+        ),
+        ({"tenants": {"limits": {}}}, "spec.tenants.limits: Extra inputs are not permitted"),
+        # camelCase only, as everywhere in the resource
+        ({"tenants": {"default_quota": {"tokensPerMinute": 5}}}, "spec.tenants.default_quota"),
+        ({"tenants": {"quotas": {"a b": {"tokensPerMinute": 5}}}}, "spec.tenants.quotas.a b"),
+        (
             {"kafka": {"bootstrapServers": "k:1", "security": {"protocol": "SASL_SSL"}}},
             "spec.kafka.security: protocol SASL_SSL needs sasl settings",
         ),

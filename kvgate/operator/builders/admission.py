@@ -97,7 +97,7 @@ def build_admission_config(pool: PoolRef, spec: ExecutorPoolSpec) -> dict[str, A
     }
     if spec.telemetry.otlp_endpoint is not None:
         telemetry["otlp_endpoint"] = spec.telemetry.otlp_endpoint
-    return {
+    config: dict[str, Any] = {
         "kafka": _kafka_config(pool, spec.kafka),
         # Only what the pool sets: the service applies its own defaults to the rest.
         "scheduler": spec.scheduler.model_dump(mode="json", exclude_unset=True),
@@ -109,6 +109,10 @@ def build_admission_config(pool: PoolRef, spec: ExecutorPoolSpec) -> dict[str, A
         "telemetry": telemetry,
         "shutdown": {"grace_period_s": GRACE_PERIOD_S, "closing_timeout_s": CLOSING_TIMEOUT_S},
     }
+    if "tenants" in spec.model_fields_set:
+        # Written only when set: a pool without quotas keeps its file (and its hash) unchanged.
+        config["tenants"] = spec.tenants.model_dump(mode="json", exclude_unset=True)
+    return config
 
 
 def render_admission_config(pool: PoolRef, spec: ExecutorPoolSpec) -> str:
