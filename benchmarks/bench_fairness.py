@@ -8,7 +8,11 @@ under today's order (``fairness: off``, ``deadline_order: false``) and the new o
 
 - ``flood``: a light tenant at 10 % of the executor's capacity and a heavy one at ten times its
   rate (together over capacity). Reported: the light tenant's time to first token p50/p99 with
-  the flood, against its solo run (goal: p99 within 20 %).
+  the flood, against its solo run (goal: p99 within 20 %), split into the wait before its first
+  step (the step in flight at arrival, under fair order) and that step's length; and a lower
+  bound for any scheduler that keeps the flood's batch decoding: a step cannot be interrupted,
+  so a light request waits at least for the rest of a decode-only step of ``max_num_seqs - 1``
+  rows (its arrival's phase in it), then takes at least its solo time.
 - ``shares``: both tenants over their share (light at 60 % of capacity, heavy at 600 %),
   weights 1:1 and 1:3. Reported: each tenant's share of the tokens served (prompt and output)
   in the steps where both had requests waiting, against its weight (goal: within 10 %).
@@ -20,10 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +46,7 @@ from kvgate.sim.cluster import (
     ClusterResult,
     Node,
     PlanObserver,
+    StepCost,
     build_node,
 )
 from kvgate.sim.counting_executor import CountingExecutor
@@ -136,6 +142,60 @@ class FloodFigures:
     solo_ttft_p50_s: float
     solo_ttft_p99_s: float
     p99_vs_solo: float
+    # The light requests' wait for the step in flight and their own first prefill step.
+    wait_p99_s: float
+    own_step_p99_s: float
+    bound_p99_s: float  # the lower bound above (the same for both orders)
+
+
+class _FirstSteps:
+    """Each request's first prefill step: when it started and how long it took."""
+
+    def __init__(self, cost: StepCost) -> None:
+        self.cost = cost
+        self.now = 0.0
+        self.first: dict[str, tuple[float, float]] = {}
+
+    def __call__(self, node: Node, plan: StepPlan, report: StepReport) -> None:
+        for row in plan.prefill_rows:
+            self.first.setdefault(row.request_id, (self.now, self.cost.seconds(report)))
+
+
+def _run_timed(
+    config: SchedulerConfig, requests: list[ClusterRequest]
+) -> tuple[ClusterResult, _FirstSteps]:
+    steps = _FirstSteps(StepCost())
+    node = build_node(
+        "e0",
+        config,
+        CountingExecutor(name="e0", num_blocks=4096, block_size=16),
+        enable_prefix_caching=False,
+    )
+    node.on_plan = steps
+    cluster = Cluster([node], _Only(), cost=steps.cost, on_step=_clock(steps))
+    for request in requests:
+        cluster.submit(request)
+    return cluster.run(), steps
+
+
+def _clock(steps: _FirstSteps) -> Callable[[float, list[Node]], None]:
+    def tick(now: float, nodes: list[Node]) -> None:
+        steps.now = now  # the time the next steps start at
+
+    return tick
+
+
+def _bound(config: SchedulerConfig, solo: ClusterResult) -> list[float]:
+    """Per light request: its solo time to first token plus the rest of a decode-only step of
+    ``max_num_seqs - 1`` rows in flight when it arrives (steps back to back from time 0)."""
+    step = StepCost().seconds(StepReport(step_id=0, decode_rows=config.max_num_seqs - 1))
+    out = []
+    for outcome in solo.outcomes.values():
+        if outcome.ttft_s is None:
+            continue
+        rest = step - math.fmod(outcome.request.arrival_s, step)
+        out.append(rest + outcome.ttft_s)
+    return out
 
 
 def flood(seed: int, duration_s: float) -> list[FloodFigures]:
@@ -145,8 +205,15 @@ def flood(seed: int, duration_s: float) -> list[FloodFigures]:
     rows = []
     fair = TODAY.model_copy(update={"fairness": Fairness.TOKENS})
     for order, config in (("today", TODAY), ("fair", fair)):
-        solo = _ttfts(_run(config, light)[0], "light")
-        mixed = _ttfts(_run(config, light + heavy)[0], "light")
+        solo_result = _run(config, light)[0]
+        solo = _ttfts(solo_result, "light")
+        mixed_result, steps = _run_timed(config, light + heavy)
+        mixed = _ttfts(mixed_result, "light")
+        waits, own = [], []
+        for request in light:
+            started, took = steps.first[request.request_id]
+            waits.append(started - request.arrival_s)
+            own.append(took)
         p99, solo_p99 = _percentile(mixed, 0.99), _percentile(solo, 0.99)
         rows.append(
             FloodFigures(
@@ -156,6 +223,9 @@ def flood(seed: int, duration_s: float) -> list[FloodFigures]:
                 _percentile(solo, 0.5),
                 solo_p99,
                 p99 / solo_p99,
+                _percentile(waits, 0.99),
+                _percentile(own, 0.99),
+                _percentile(_bound(config, solo_result), 0.99),
             )
         )
     return rows
@@ -306,7 +376,9 @@ def main() -> int:
         print(
             f"flood   {row.order:<6} light TTFT p50 {row.light_ttft_p50_s:.3f}s p99 "
             f"{row.light_ttft_p99_s:.3f}s | solo p50 {row.solo_ttft_p50_s:.3f}s p99 "
-            f"{row.solo_ttft_p99_s:.3f}s | p99 {row.p99_vs_solo:.2f}x solo"
+            f"{row.solo_ttft_p99_s:.3f}s | p99 {row.p99_vs_solo:.2f}x solo | wait before its "
+            f"first step p99 {row.wait_p99_s:.3f}s, own step p99 {row.own_step_p99_s:.3f}s | "
+            f"bound p99 {row.bound_p99_s:.3f}s ({row.bound_p99_s / row.solo_ttft_p99_s:.2f}x solo)"
         )
     for row in out.get("shares", []):
         assert isinstance(row, ShareFigures)
