@@ -6,13 +6,19 @@ the chart's ``kafka.security``), ``kvgate produce``/``results`` and ``kvgate rep
 their clients with :func:`client_options`, so a broker that one of them reaches over TLS or SASL
 the others reach the same way. Secrets never need to be inline: the SASL password can be a file
 (a mounted Kubernetes Secret), read when the clients are made.
+
+Also the two admin reads that the service and the batch feeder both make when they set up their
+topics: each topic's partition count, and waiting for topics just created to appear.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Annotated, Any, Self
 
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.helpers import create_ssl_context
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -134,3 +140,27 @@ def client_options(connection: KafkaConnection) -> dict[str, Any]:
         context.check_hostname = connection.ssl_check_hostname
         options["ssl_context"] = context
     return options
+
+
+async def partition_counts(admin: AIOKafkaAdminClient, topics: list[str]) -> dict[str, int]:
+    """Partitions of each of ``topics`` that exists (missing ones are left out)."""
+    existing = set(await admin.list_topics())
+    present = [t for t in topics if t in existing]
+    if not present:
+        return {}
+    return {d["topic"]: len(d["partitions"]) for d in await admin.describe_topics(present)}
+
+
+async def wait_for_topics(
+    admin: AIOKafkaAdminClient, topics: list[str], timeout_s: float = 30.0
+) -> dict[str, int] | None:
+    """Every one of ``topics``' partition count once all exist (a created topic takes a moment
+    to appear in the metadata); None when they have not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = await partition_counts(admin, topics)
+        if all(t in counts for t in topics):
+            return counts
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.1)

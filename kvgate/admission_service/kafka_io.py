@@ -7,7 +7,6 @@ commit cycles (``outbox.py``), lives here.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -28,7 +27,7 @@ from aiokafka.structs import ConsumerRecord
 
 from kvgate.admission_service.settings import ExactlyOnce, KafkaSettings
 from kvgate.admission_service.validation import RawRecord
-from kvgate.kafka_connection import client_options
+from kvgate.kafka_connection import client_options, partition_counts, wait_for_topics
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +49,6 @@ def raw_record(message: ConsumerRecord[bytes, bytes]) -> RawRecord:
 
 
 # ---------------------------------------------------------------------------------- topics
-
-
-async def _partition_counts(admin: AIOKafkaAdminClient, topics: list[str]) -> dict[str, int]:
-    existing = set(await admin.list_topics())
-    present = [t for t in topics if t in existing]
-    counts: dict[str, int] = {}
-    if present:
-        for description in await admin.describe_topics(present):
-            counts[description["topic"]] = len(description["partitions"])
-    return counts
 
 
 MAX_MESSAGE_BYTES: Final = "max.message.bytes"
@@ -155,14 +144,14 @@ async def ensure_topics(settings: KafkaSettings) -> TopicLimits:
         if settings.token_topic is not None:
             outputs.append(settings.token_topic)
         wanted = [settings.request_topic, *outputs]
-        counts = await _partition_counts(admin, wanted)
+        counts = await partition_counts(admin, wanted)
         missing = [t for t in wanted if t not in counts]
         if missing and not settings.create_topics:
             raise KafkaSetupError(f"topics {missing} do not exist and kafka.create_topics is false")
         requests = counts.get(settings.request_topic, settings.partitions)
         if settings.request_topic in missing:
             await _create(admin, settings, [settings.request_topic], requests, {})
-            counts = await _wait_for_topics(admin, [settings.request_topic])
+            counts = await _appeared(admin, [settings.request_topic])
             missing.remove(settings.request_topic)
         of_requests = await _max_message_bytes(admin, [settings.request_topic])
         request_limit = of_requests.found.get(settings.request_topic)
@@ -173,7 +162,7 @@ async def ensure_topics(settings: KafkaSettings) -> TopicLimits:
                 await _create(admin, settings, [settings.dlq_topic], requests, dlq_config)
             if others:
                 await _create(admin, settings, others, requests, {})
-            counts = await _wait_for_topics(admin, wanted)
+            counts = await _appeared(admin, wanted)
         requests = counts[settings.request_topic]
         for topic in (settings.result_topic, settings.token_topic):
             if topic is not None and counts[topic] < requests:
@@ -231,17 +220,14 @@ async def _create(
     log.info("created topics %s with %d partitions %s", topics, partitions, config or "")
 
 
-async def _wait_for_topics(
-    admin: AIOKafkaAdminClient, topics: list[str], timeout_s: float = 30.0
-) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = await _partition_counts(admin, topics)
-        if all(t in counts for t in topics):
-            return counts
-        if time.monotonic() > deadline:
-            raise KafkaSetupError(f"topics {topics} did not appear within {timeout_s:.0f} s")
-        await asyncio.sleep(0.1)
+_TOPICS_APPEAR_S: Final = 30.0
+
+
+async def _appeared(admin: AIOKafkaAdminClient, topics: list[str]) -> dict[str, int]:
+    counts = await wait_for_topics(admin, topics, _TOPICS_APPEAR_S)
+    if counts is None:
+        raise KafkaSetupError(f"topics {topics} did not appear within {_TOPICS_APPEAR_S:.0f} s")
+    return counts
 
 
 async def supports_transactions(settings: KafkaSettings) -> bool:

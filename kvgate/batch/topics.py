@@ -9,14 +9,13 @@ with another partition count is refused at start: ownership and replies would no
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from typing import Any, Final
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from kvgate.batch.settings import BatchSettings
+from kvgate.kafka_connection import partition_counts, wait_for_topics
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +39,14 @@ async def ensure_batch_topics(options: dict[str, Any], settings: BatchSettings) 
     admin = AIOKafkaAdminClient(**options)
     await admin.start()
     try:
-        counts = await _partition_counts(admin, list(wanted))
+        counts = await partition_counts(admin, list(wanted))
         for topic, (partitions, config) in wanted.items():
             if topic not in counts:
                 await _create(admin, topic, partitions, settings.replication_factor, config)
-        counts = await _wait_for(admin, list(wanted))
+        appeared = await wait_for_topics(admin, list(wanted))
+        if appeared is None:
+            raise BatchTopicError(f"topics {sorted(wanted)} did not appear within 30 s")
+        counts = appeared
         for topic in (settings.batches_topic, settings.reply_topic):
             if counts[topic] != settings.partitions:
                 raise BatchTopicError(
@@ -54,14 +56,6 @@ async def ensure_batch_topics(options: dict[str, Any], settings: BatchSettings) 
                 )
     finally:
         await admin.close()
-
-
-async def _partition_counts(admin: AIOKafkaAdminClient, topics: list[str]) -> dict[str, int]:
-    existing = set(await admin.list_topics())
-    present = [t for t in topics if t in existing]
-    if not present:
-        return {}
-    return {d["topic"]: len(d["partitions"]) for d in await admin.describe_topics(present)}
 
 
 async def _create(
@@ -75,16 +69,3 @@ async def _create(
             what = f"{topic} ({partitions} partitions, {config})"
             raise BatchTopicError(f"creating {what} failed: error code {code}")
     log.info("created topic %s with %d partitions %s", topic, partitions, config)
-
-
-async def _wait_for(
-    admin: AIOKafkaAdminClient, topics: list[str], timeout_s: float = 30.0
-) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = await _partition_counts(admin, topics)
-        if all(t in counts for t in topics):
-            return counts
-        if time.monotonic() > deadline:
-            raise BatchTopicError(f"topics {topics} did not appear within {timeout_s:.0f} s")
-        await asyncio.sleep(0.1)
