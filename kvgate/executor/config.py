@@ -41,6 +41,7 @@ from kvgate.executor.rope_config import (
     RopeType,
     read_rope,
 )
+from kvgate.executor.weight_only import WeightOnly, WeightOnlyError, read_weight_only
 from kvgate.protocol.enums import ModelFamily
 
 # The config's parts are imported from here (their modules are how this one is built).
@@ -103,6 +104,8 @@ class ModelConfig(BaseModel):
     bos_token_id: Annotated[int, Field(ge=0)] | None = None
     torch_dtype: str | None = None
     moe: MoeConfig | None = None  # the experts of the sparse layers; None: a dense model
+    # AWQ/GPTQ/FP8 projections (dequantized when read: weight_only.py); None: float weights
+    weight_only: WeightOnly | None = None
 
     @model_validator(mode="after")
     def _every_layer_has_its_rope(self) -> ModelConfig:
@@ -234,6 +237,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             eos_token_id=_first_int(raw.get("eos_token_id")),
             bos_token_id=_first_int(raw.get("bos_token_id")),
             torch_dtype=_dtype(raw),
+            weight_only=_weight_only(raw),
         )
     except ValidationError as exc:
         raise CheckpointError(f"invalid config.json: {_reasons(exc)}") from exc
@@ -250,6 +254,19 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     )
     _warn_past_the_original_context(config)
     return config
+
+
+def _weight_only(raw: dict[str, Any]) -> WeightOnly | None:
+    try:
+        scheme = read_weight_only(raw)
+    except WeightOnlyError as exc:
+        raise CheckpointError(str(exc)) from None
+    if scheme is not None and raw.get("num_local_experts", raw.get("num_experts")):
+        raise CheckpointError(
+            f"{scheme.describe()} in a mixture-of-experts model: kvgate reads quantized "
+            "projections of dense layers only"
+        )
+    return scheme
 
 
 def _describe_ropes(config: ModelConfig) -> str:

@@ -68,6 +68,7 @@ def _head_dim_scale(value: Any, head_dim: int) -> bool:
 _COMMON_USED = frozenset(
     {
         "model_type",
+        "quantization_config",  # weight-only AWQ/GPTQ/FP8: kvgate/executor/weight_only.py
         "vocab_size",
         "hidden_size",
         "intermediate_size",

@@ -84,6 +84,13 @@ def load_model(
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, config.torch_dtype)
     tensors = read_checkpoint(path, config, torch_dtype, torch_device, shard)
+    if config.weight_only is not None:
+        log.info(
+            "%s: dequantized to %s when read (%.1f MB of weights in memory)",
+            config.weight_only.describe(),
+            torch_dtype,
+            sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
+        )
     tokenizer = load_tokenizer(path)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(

@@ -17,6 +17,7 @@ from kvgate.executor.architecture import QkNorm
 from kvgate.executor.config import CheckpointError, ModelConfig
 from kvgate.executor.moe_config import moe_tensor_shapes
 from kvgate.executor.tensor_parallel.shards import ShardPlan
+from kvgate.executor.weight_only import WeightOnlyError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -118,6 +119,61 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _projections(config: ModelConfig) -> list[str]:
+    """The checkpoint names of every layer's projection weights (what weight-only methods
+    quantize)."""
+    out: list[str] = []
+    for layer in range(config.num_layers):
+        names = layer_tensor_names(config, layer)
+        out += [*names.qkv, names.o_proj, *names.gate_up, names.down_proj]
+    return out
+
+
+def stored_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """``expected_shapes`` as the file stores them: under a weight-only method each quantized
+    projection's ``weight`` is replaced by the method's tensors. Also: each stored tensor of a
+    quantized projection -> the projection's module name."""
+    shapes = expected_shapes(config)
+    scheme = config.weight_only
+    owners: dict[str, str] = {}
+    if scheme is None:
+        return shapes, owners
+    for name in _projections(config):
+        module = name.removesuffix(".weight")
+        if not scheme.quantizes(module):
+            continue
+        rows, cols = shapes.pop(name)
+        try:
+            stored = scheme.tensor_shapes(module, rows, cols)
+        except WeightOnlyError as exc:
+            raise CheckpointError(str(exc)) from None
+        shapes |= stored
+        owners |= dict.fromkeys(stored, module)
+    return shapes, owners
+
+
+def _dequantized(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    owners: dict[str, str],
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with every quantized projection's stored tensors replaced by its float
+    ``weight`` in ``dtype``."""
+    assert config.weight_only is not None
+    logical = expected_shapes(config)
+    for module in dict.fromkeys(owners.values()):
+        rows, cols = logical[f"{module}.weight"]
+        try:
+            weight = config.weight_only.dequantize(module, tensors, rows, cols)
+        except WeightOnlyError as exc:
+            raise CheckpointError(str(exc)) from None
+        for name in [n for n, owner in owners.items() if owner == module]:
+            del tensors[name]
+        tensors[f"{module}.weight"] = weight.to(dtype)
+    return tensors
+
+
 def _shard_map(model_dir: Path) -> dict[str, Path]:
     """tensor name -> file holding it, from the index file or by listing the single file(s)."""
     index_path = model_dir / INDEX_FILE
@@ -164,7 +220,13 @@ def read_checkpoint(
     With ``shard``, only this rank's slice of each tensor is read from the file (safetensors
     reads slices without loading the rest), under the tensor's own name.
     """
-    shapes = expected_shapes(config)
+    if config.weight_only is not None and shard is not None:
+        raise CheckpointError(
+            f"{config.weight_only.describe()} are read whole: tensor-parallel loading of a "
+            "weight-only quantized checkpoint is not supported"
+        )
+    shapes, owners = stored_shapes(config)
+    scheme = config.weight_only
     shards = {n: f for n, f in _shard_map(model_dir).items() if not n.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
         shards.pop("lm_head.weight", None)  # tied checkpoints sometimes store the copy too
@@ -189,22 +251,30 @@ def read_checkpoint(
                     raise CheckpointError(f"index maps {name} to {file.name}, which lacks it")
                 view = handle.get_slice(name)
                 shape = tuple(view.get_shape())
-                if shape != shapes[name]:
+                fits = shape == shapes[name]
+                if not fits and scheme is not None and name in owners:
+                    fits = scheme.shape_fits(name, shape, shapes[name])
+                if not fits:
                     raise CheckpointError(
                         f"tensor {name} has shape {shape}, config.json implies {shapes[name]}"
                     )
                 parts = None if shard is None else shard.parts_of(name, config)
-                if parts is None:
-                    tensor = view[:]
+                if parts is None:  # a 0-dim tensor (a scale) cannot be sliced
+                    tensor = view[:] if shape else handle.get_tensor(name)
                 else:  # a fused tensor's rank part is several ranges, read and joined
                     pieces = [
                         view[p.start : p.stop] if p.dim == 0 else view[:, p.start : p.stop]
                         for p in parts
                     ]
                     tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, parts[0].dim)
+                if name in owners:  # stored as the method stores it, dequantized below
+                    tensors[name] = tensor.to(device=device)
+                    continue
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"tensor {name} has non-float dtype {tensor.dtype}")
                 tensors[name] = tensor.to(device=device, dtype=dtype)
+    if owners:
+        return _dequantized(config, tensors, owners, dtype)
     return tensors if shard is None else pad_vocab_shards(tensors, shard, config)
 
 

@@ -207,12 +207,13 @@ def _refused(raw: dict[str, Any], *fragments: str) -> str:
         ("use_bidirectional_attention", True, "use_bidirectional_attention=true"),
         ("is_encoder_decoder", True, "is_encoder_decoder=true"),
         # keys no table knows (Granite's multipliers, SmolLM3's NoPE layers, Phi-3's
-        # top-level original_max_position_embeddings, a quantized checkpoint, ...)
+        # top-level original_max_position_embeddings, a method of quantization kvgate does not
+        # read, ...)
         ("embedding_multiplier", 12.0, "embedding_multiplier=12.0"),
         ("logits_scaling", 8.0, "logits_scaling=8.0"),
         ("no_rope_layers", [1, 1, 0], "no_rope_layers=[1, 1, 0]"),
         ("original_max_position_embeddings", 4096, "original_max_position_embeddings=4096"),
-        ("quantization_config", {"quant_method": "awq"}, "quantization_config="),
+        ("quantization_config", {"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
         ("total_ut_steps", 4, "total_ut_steps=4"),  # a looped key on a llama
         ("use_sliding_window", True, "use_sliding_window=true"),  # a Qwen2 key on a llama
     ],
