@@ -243,3 +243,14 @@ def test_a_group_index_past_the_scales_is_refused(
     (target / "config.json").write_text((source / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"up_proj\.g_idx names groups"):
         load_model(target)
+
+
+def test_a_quantized_mixture_of_experts_is_refused() -> None:
+    from transformers import AutoConfig
+
+    from kvgate.executor.config import parse_config
+
+    raw = AutoConfig.for_model("mixtral", **SHAPE, num_local_experts=4).to_dict()
+    parse_config(dict(raw))  # the float model is served
+    with pytest.raises(CheckpointError, match="mixture-of-experts"):
+        parse_config(raw | {"quantization_config": CASES["awq"][0]})
