@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvgate.kernels.torch_weight_only import awq_dequantize, fp8_dequantize, gptq_dequantize
+if TYPE_CHECKING:  # the config is read by commands that must not import torch (--help)
+    import torch
 
 
 class WeightOnlyMethod(StrEnum):
@@ -112,6 +112,11 @@ class WeightOnly(BaseModel):
         self, module: str, tensors: Mapping[str, torch.Tensor], rows: int, cols: int
     ) -> torch.Tensor:
         """``module``'s float32 ``[rows, cols]`` weight from its stored tensors."""
+        from kvgate.kernels.torch_weight_only import (  # noqa: PLC0415  (torch: on use)
+            awq_dequantize,
+            fp8_dequantize,
+            gptq_dequantize,
+        )
 
         def get(suffix: str) -> torch.Tensor:
             return tensors[f"{module}.{suffix}"]
