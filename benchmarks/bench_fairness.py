@@ -103,7 +103,10 @@ def _arrivals(
 
 
 def _run(
-    config: SchedulerConfig, requests: list[ClusterRequest], on_plan: PlanObserver | None = None
+    config: SchedulerConfig,
+    requests: list[ClusterRequest],
+    on_plan: PlanObserver | None = None,
+    on_step: Callable[[float, list[Node]], None] | None = None,
 ) -> tuple[ClusterResult, Node]:
     node = build_node(
         "e0",
@@ -112,7 +115,7 @@ def _run(
         enable_prefix_caching=False,
     )
     node.on_plan = on_plan
-    cluster = Cluster([node], _Only())
+    cluster = Cluster([node], _Only(), on_step=on_step)
     for request in requests:
         cluster.submit(request)
     return cluster.run(), node
@@ -151,38 +154,17 @@ class FloodFigures:
 class _FirstSteps:
     """Each request's first prefill step: when it started and how long it took."""
 
-    def __init__(self, cost: StepCost) -> None:
-        self.cost = cost
+    def __init__(self) -> None:
+        self.cost = StepCost()  # the cluster's
         self.now = 0.0
         self.first: dict[str, tuple[float, float]] = {}
+
+    def tick(self, now: float, nodes: list[Node]) -> None:
+        self.now = now  # the time the next steps start at
 
     def __call__(self, node: Node, plan: StepPlan, report: StepReport) -> None:
         for row in plan.prefill_rows:
             self.first.setdefault(row.request_id, (self.now, self.cost.seconds(report)))
-
-
-def _run_timed(
-    config: SchedulerConfig, requests: list[ClusterRequest]
-) -> tuple[ClusterResult, _FirstSteps]:
-    steps = _FirstSteps(StepCost())
-    node = build_node(
-        "e0",
-        config,
-        CountingExecutor(name="e0", num_blocks=4096, block_size=16),
-        enable_prefix_caching=False,
-    )
-    node.on_plan = steps
-    cluster = Cluster([node], _Only(), cost=steps.cost, on_step=_clock(steps))
-    for request in requests:
-        cluster.submit(request)
-    return cluster.run(), steps
-
-
-def _clock(steps: _FirstSteps) -> Callable[[float, list[Node]], None]:
-    def tick(now: float, nodes: list[Node]) -> None:
-        steps.now = now  # the time the next steps start at
-
-    return tick
 
 
 def _bound(config: SchedulerConfig, solo: ClusterResult) -> list[float]:
@@ -207,7 +189,8 @@ def flood(seed: int, duration_s: float) -> list[FloodFigures]:
     for order, config in (("today", TODAY), ("fair", fair)):
         solo_result = _run(config, light)[0]
         solo = _ttfts(solo_result, "light")
-        mixed_result, steps = _run_timed(config, light + heavy)
+        steps = _FirstSteps()
+        mixed_result, _ = _run(config, light + heavy, steps, steps.tick)
         mixed = _ttfts(mixed_result, "light")
         waits, own = [], []
         for request in light:
