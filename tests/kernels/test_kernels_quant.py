@@ -19,7 +19,11 @@ import torch
 from kvgate.executor.quantized import prepare_quant_kernel
 from kvgate.kernels.cpu import quant as cpu_quant
 from kvgate.kernels.quant_formats import LAYOUTS, QuantFormat, dequantize
-from kvgate.kernels.torch_quant import quantize_activations, quantized_matmul_reference
+from kvgate.kernels.torch_quant import (
+    K_QUANTS,
+    quantize_activations,
+    quantized_matmul_reference,
+)
 
 # Relative RMS error of the int8 path against x @ dequantize(W).T, Gaussian x, random blocks.
 # Measured 0.52-0.83 % over the formats (Q5_K highest): int8 activations round each value by
@@ -92,16 +96,21 @@ def compiled() -> cpu_quant.QuantLoadResult:
 def test_compiled_kernel_equals_the_reference_bit_for_bit(
     compiled: cpu_quant.QuantLoadResult, fmt: QuantFormat, threads: int
 ) -> None:
-    data = random_blocks(fmt, 37, 768, seed=4)
+    # 24 blocks of 32 (or 3 of 256); and 26 of 32, where a lone row's four-block groups leave
+    # two blocks over
+    widths = (768,) if fmt in K_QUANTS else (768, 832)
     generator = torch.Generator().manual_seed(5)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n in (1, 3, 4, 9):
-            x = torch.randn(n, 768, generator=generator) * 3
-            x[0, :40] = 0.0  # an all-zero activation block (scale 0)
-            ours = cpu_quant.quantized_matmul(x, fmt, data, 768, compiled=True)
-            assert torch.equal(ours, quantized_matmul_reference(x, fmt, data, 768)), (fmt, n)
+        for cols in widths:
+            data = random_blocks(fmt, 37, cols, seed=4)
+            for n in (1, 3, 4, 9):
+                x = torch.randn(n, cols, generator=generator) * 3
+                x[0, :40] = 0.0  # an all-zero activation block (scale 0)
+                ours = cpu_quant.quantized_matmul(x, fmt, data, cols, compiled=True)
+                reference = quantized_matmul_reference(x, fmt, data, cols)
+                assert torch.equal(ours, reference), (fmt, cols, n)
     finally:
         torch.set_num_threads(before)
 
