@@ -96,6 +96,24 @@ class WeightOnly(BaseModel):
             return shape in ((), (1,), (1, 1), (expected[0], 1))
         return False
 
+    def check_dtype(self, name: str, dtype: torch.dtype) -> None:
+        """A stored tensor of the dtype its method writes (a WeightOnlyError naming it if not)."""
+        import torch  # noqa: PLC0415  (the config is read without torch: --help)
+
+        suffix = name.rsplit(".", 1)[-1]
+        if suffix in ("qweight", "qzeros", "g_idx"):
+            allowed: tuple[torch.dtype, ...] = (torch.int32,)
+        elif suffix == "weight":  # FP8's
+            allowed = (torch.float8_e4m3fn,)
+        else:  # scales, weight_scale
+            allowed = (torch.float16, torch.bfloat16, torch.float32)
+        if dtype not in allowed:
+            shown = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise WeightOnlyError(
+                f"tensor {name} is {str(dtype).removeprefix('torch.')}; {self.method} stores "
+                f"it as {shown}"
+            )
+
     def _check_divides(self, module: str, rows: int, cols: int) -> None:
         per_int = 32 // self.bits
         if rows % per_int or cols % per_int:

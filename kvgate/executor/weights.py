@@ -162,13 +162,16 @@ def _dequantized(
     ``weight`` in ``dtype``."""
     assert config.weight_only is not None
     logical = expected_shapes(config)
-    for module in dict.fromkeys(owners.values()):
+    by_module: dict[str, list[str]] = {}
+    for name, module in owners.items():
+        by_module.setdefault(module, []).append(name)
+    for module, names in by_module.items():
         rows, cols = logical[f"{module}.weight"]
         try:
             weight = config.weight_only.dequantize(module, tensors, rows, cols)
         except WeightOnlyError as exc:
             raise CheckpointError(str(exc)) from None
-        for name in [n for n, owner in owners.items() if owner == module]:
+        for name in names:
             del tensors[name]
         tensors[f"{module}.weight"] = weight.to(dtype)
     return tensors
@@ -267,8 +270,12 @@ def read_checkpoint(
                         for p in parts
                     ]
                     tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, parts[0].dim)
-                if name in owners:  # stored as the method stores it, dequantized below
-                    tensors[name] = tensor.to(device=device)
+                if scheme is not None and name in owners:  # as the method stores it
+                    try:
+                        scheme.check_dtype(name, tensor.dtype)
+                    except WeightOnlyError as exc:
+                        raise CheckpointError(str(exc)) from None
+                    tensors[name] = tensor.to(device=device)  # dequantized below
                     continue
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"tensor {name} has non-float dtype {tensor.dtype}")

@@ -12,6 +12,7 @@ are refused by name.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +255,28 @@ def test_a_quantized_mixture_of_experts_is_refused() -> None:
     parse_config(dict(raw))  # the float model is served
     with pytest.raises(CheckpointError, match="mixture-of-experts"):
         parse_config(raw | {"quantization_config": CASES["awq"][0]})
+
+
+@pytest.mark.parametrize(
+    ("case", "name", "dtype"),
+    [
+        ("awq", "model.layers.0.self_attn.q_proj.qweight", torch.int64),
+        ("gptq-8bit", "model.layers.2.mlp.down_proj.scales", torch.int32),
+        ("fp8-per-row", "model.layers.1.self_attn.o_proj.weight", torch.float16),
+    ],
+)
+def test_a_stored_tensor_of_another_dtype_is_refused(
+    written: dict[str, Written], tmp_path: Path, case: str, name: str, dtype: torch.dtype
+) -> None:
+    from safetensors.torch import load_file
+
+    source = written[case].model_dir
+    state = load_file(str(source / "model.safetensors"))
+    state[name] = state[name].to(dtype)
+    target = tmp_path / "m"
+    target.mkdir()
+    save_file(state, str(target / "model.safetensors"))
+    (target / "config.json").write_text((source / "config.json").read_text())
+    shown = str(dtype).removeprefix("torch.")
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} is {shown}"):
+        load_model(target)
