@@ -280,3 +280,18 @@ def test_a_stored_tensor_of_another_dtype_is_refused(
     shown = str(dtype).removeprefix("torch.")
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} is {shown}"):
         load_model(target)
+
+
+def test_a_tensor_parallel_read_is_refused(written: dict[str, Written]) -> None:
+    """Each rank would need its slice of the packed columns and of the groups: not done, so
+    refused before anything is read (the shard plan is never consulted)."""
+    from typing import cast
+
+    from kvgate.executor.tensor_parallel.shards import ShardPlan
+
+    case = written["awq"]
+    config = load_config(case.model_dir)
+    with pytest.raises(CheckpointError, match="tensor-parallel loading"):
+        read_checkpoint(
+            case.model_dir, config, torch.float32, torch.device("cpu"), cast(ShardPlan, object())
+        )
