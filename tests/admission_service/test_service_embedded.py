@@ -360,10 +360,17 @@ async def test_a_drain_migrates_requests_with_their_kv_through_the_whole_service
             rid: tokens for rid, (tokens, _) in expected.items()
         }
         metric = service.metrics.registry.get_sample_value
-        migrated = metric("kvgate_admission_migrations_total", {"outcome": "migrated"}) or 0
+
+        def migrations(outcome: str) -> float:
+            return metric("kvgate_admission_migrations_total", {"outcome": outcome}) or 0
+
+        migrated = migrations("migrated")
         assert migrated >= 1
+        # A request still waiting on "a" when it drained (not yet admitted: a slow machine reads
+        # the records in several polls) moves without KV ("no_kv"); none may fall back to recompute.
+        assert migrations("not_migratable") == 0
         moved = [r for r in results if r.scheduling.executors == ["a", "b"]]
-        assert len(moved) == migrated
+        assert len(moved) == migrated + migrations("no_kv")
         assert all(r.scheduling.recomputed_tokens == 0 for r in moved)
     finally:
         await service.shutdown()
