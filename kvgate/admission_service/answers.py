@@ -115,13 +115,16 @@ class Answers:
         )
 
     def token(self, tracked: Tracked, event: TokenEvent) -> None:
-        chunk = TokenChunk(
+        # Built without validation (one per output token): every field comes from a step result
+        # the session already validated.
+        top = event.top_logprobs
+        chunk = TokenChunk.model_construct(
             request_id=tracked.request.request_id, index=event.output_index,
             token_id=event.token_id, exit_depth=event.exit_depth, choice=tracked.choice,
             logprob=event.logprob,
             top_logprobs=(
-                [TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in event.top_logprobs]
-                if event.top_logprobs is not None else None
+                [TokenLogprob.model_construct(token_id=t.token_id, logprob=t.logprob) for t in top]
+                if top is not None else None
             ),
         )  # fmt: skip
         self._sink.token(tracked.source, chunk, tracked.request.reply)

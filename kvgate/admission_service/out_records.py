@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.admission_service.replies import reply_headers
-from kvgate.protocol.records import DeadLetter, ReplyTo
+from kvgate.protocol.records import REPLY_KIND_RESULT, DeadLetter, ReplyTo
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +20,9 @@ class OutRecord:
     reply: bool = False  # a copy to a reply address: skipped when unroutable (replies.py)
 
 
-def reply_record(reply: ReplyTo, key: bytes, value: bytes, kind: bytes) -> OutRecord:
-    """A copy of an answer or a token chunk for ``reply`` (``kind``: ``REPLY_KIND_RESULT`` or
-    ``REPLY_KIND_TOKEN``, in the record's headers)."""
-    return OutRecord(reply.topic, reply.partition, key, value, reply_headers(kind), reply=True)
+def reply_record(reply: ReplyTo, key: bytes, value: bytes) -> OutRecord:
+    """A copy of a result for ``reply`` (header ``kvgate-reply-kind: result``; token chunks'
+    copies are the token stream's, ``token_stream.py``)."""
+    return OutRecord(
+        reply.topic, reply.partition, key, value, reply_headers(REPLY_KIND_RESULT), reply=True
+    )

@@ -75,13 +75,11 @@ from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import CommitPoint, PartitionLedger
 from kvgate.admission_service.out_records import OutRecord, reply_record
 from kvgate.admission_service.replies import ReplyRoutes
-from kvgate.admission_service.settings import KafkaSettings
-from kvgate.admission_service.token_stream import TokenStream
+from kvgate.admission_service.settings import KafkaSettings, TokenRecords
+from kvgate.admission_service.token_stream import StreamTarget, TokenStream
 from kvgate.admission_service.validation import RawRecord, Rejection
 from kvgate.backoff import jittered_delay_s
 from kvgate.protocol.records import (
-    REPLY_KIND_RESULT,
-    REPLY_KIND_TOKEN,
     TRACEPARENT_HEADER,
     DeadLetter,
     InferenceResult,
@@ -186,7 +184,11 @@ class Outbox:
         self._stopping = False
         self._num_pending = 0  # records
         self.reply_routes = ReplyRoutes()
-        self.stream = TokenStream(self.reply_routes, self._token_failed)
+        self.stream = TokenStream(
+            self.reply_routes, self._token_failed,
+            per_token=settings.token_records is TokenRecords.PER_TOKEN,
+        )  # fmt: skip
+        self._token_targets: dict[int, tuple[StreamTarget, ...]] = {}  # per request partition
 
     # ----------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -300,7 +302,7 @@ class Outbox:
             OutRecord(self.settings.result_topic, result.source.partition, key, value, headers)
         ]
         if reply is not None:
-            records.append(reply_record(reply, key, value, REPLY_KIND_RESULT))
+            records.append(reply_record(reply, key, value))
         self._add(result.source, records)
 
     def reject(
@@ -320,7 +322,7 @@ class Outbox:
             value = result.model_dump_json(exclude_none=True).encode()
             out.append(OutRecord(self.settings.result_topic, record.partition, key, value, []))
             if rejection.reply is not None:
-                out.append(reply_record(rejection.reply, key, value, REPLY_KIND_RESULT))
+                out.append(reply_record(rejection.reply, key, value))
         self.metrics.dead_letters.inc()
         source = SourceRef(topic=record.topic, partition=record.partition, offset=record.offset)
         self._add(source, out)
@@ -351,24 +353,26 @@ class Outbox:
 
     def token(self, source: SourceRef, chunk: TokenChunk, reply: ReplyTo | None = None) -> None:
         """Stream ``chunk`` now (``token_stream.py``), not with the next commit cycle."""
-        if source.partition not in self.ledgers:
+        partition = source.partition
+        if partition not in self.ledgers:
             return
-        key = chunk.request_id.encode()
-        value = chunk.model_dump_json().encode()
-        records = []
-        if self.settings.token_topic is not None:
-            records.append(OutRecord(self.settings.token_topic, source.partition, key, value, []))
+        targets = self._token_targets.get(partition)
+        if targets is None:
+            topic = self.settings.token_topic
+            targets = self._token_targets[partition] = (
+                (StreamTarget(topic, partition),) if topic is not None else ()
+            )
         if reply is not None and reply.tokens:
-            records.append(reply_record(reply, key, value, REPLY_KIND_TOKEN))
-        if records:
-            self.stream.put(source.partition, records)
+            targets = (*targets, StreamTarget(reply.topic, reply.partition, reply=True))
+        if targets:
+            self.stream.put(partition, targets, chunk)
 
     def _token_failed(self, partition: int, record: OutRecord, error: BaseException) -> None:
         """A chunk the stream could not write goes out with ``partition``'s next commit cycle
         (and is retried there), unless the partition has left: its next owner streams it."""
         if partition not in self.ledgers:
             return
-        log.warning("a token chunk was not streamed (%r); the next commit cycle sends it", error)
+        log.warning("token chunks were not streamed (%r); the next commit cycle sends them", error)
         entry = _Entry(None, [record], self.settings.result_topic)
         self._pending.setdefault(partition, []).append(entry)
         self._count(1)

@@ -61,6 +61,14 @@ class ExactlyOnce(StrEnum):
     OFF = "off"
 
 
+class TokenRecords(StrEnum):
+    """How the token stream writes: a record per step and topic partition (``TokenChunks``),
+    or a record per token (``TokenChunk``), for consumers written before the batches."""
+
+    PER_STEP = "per_step"
+    PER_TOKEN = "per_token"
+
+
 class IsolationLevel(StrEnum):
     READ_COMMITTED = "read_committed"
     READ_UNCOMMITTED = "read_uncommitted"
@@ -78,6 +86,7 @@ class KafkaSettings(KafkaConnection):
     request_topic: TopicName = topics.REQUESTS
     result_topic: TopicName = topics.RESULTS
     token_topic: TopicName | None = None  # the optional token stream
+    token_records: TokenRecords = TokenRecords.PER_STEP  # the token stream's records
     abort_topic: TopicName = topics.ABORTS
     dlq_topic: TopicName = topics.DEAD_LETTER
     group_id: Annotated[str, Field(min_length=1, max_length=255)] = "kvgate-admission"

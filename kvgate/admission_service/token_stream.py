@@ -1,11 +1,18 @@
 """Token chunks out the moment the engine makes them, outside the commit cycles.
 
 ```
-engine ─▶ Outbox.token ─▶ TokenStream.put ─▶ (next loop turn) producer.send, linger 0 ─▶ Kafka
+engine ─▶ Outbox.token ─▶ TokenStream.put ─▶ (next loop turn) one record per topic partition
+                                            of what was put ─▶ producer.send, linger 0 ─▶ Kafka
                                                     └─ refused or failed ─▶ Outbox: the next
                                                        commit cycle sends it again (as it did
                                                        every chunk before)
 ```
+
+A step's chunks are all put before the loop turns, so a record holds one step's chunks for one
+topic partition (``TokenChunks``, header ``kvgate-reply-kind: tokens``, no key): a step of 250
+decode rows is one producer send instead of 250 (per reply address too). ``token_records:
+per_token`` writes a ``TokenChunk`` per token instead (keyed by request id; reply copies with
+header ``token``), for consumers that predate the batches.
 
 What exactly-once means for a stream: a chunk belongs to a request that is still running, and a
 request whose offset is not committed runs again, from its first token, wherever its partition
@@ -35,39 +42,70 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import partial
+from typing import Final
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
 from kvgate.admission_service.out_records import OutRecord
-from kvgate.admission_service.replies import ReplyRoutes
+from kvgate.admission_service.replies import ReplyRoutes, reply_headers
+from kvgate.protocol.records import REPLY_KIND_TOKEN, REPLY_KIND_TOKENS, TokenChunk, TokenChunks
 
 log = logging.getLogger(__name__)
 
 OnFailed = Callable[[int, OutRecord, BaseException], None]
 
+# A step's chunks for one topic partition are split into records of at most about this many
+# bytes (Kafka's default limits are 1 MiB a record; 250 chunks with 20 top logprobs each take
+# about 150 kB).
+MAX_RECORD_BYTES: Final = 256 * 1024
+_TOKENS_HEADERS: Final = reply_headers(REPLY_KIND_TOKENS)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTarget:
+    """Where chunks go: the token topic's partition, or a reply address (``reply``: skipped
+    when the producer cannot route to it)."""
+
+    topic: str
+    partition: int
+    reply: bool = False
+
 
 class TokenStream:
-    """Sends what ``put`` queues on the next turn of the event loop; ``run`` until
-    ``stop_soon``, then what is queued is still handed to the producer."""
+    """Sends what ``put`` queues on the next turn of the event loop, a record per (request
+    partition, target) unless ``per_token``; ``run`` until ``stop_soon``, then what is queued
+    is still handed to the producer."""
 
-    def __init__(self, routes: ReplyRoutes, on_failed: OnFailed) -> None:
+    def __init__(
+        self,
+        routes: ReplyRoutes,
+        on_failed: OnFailed,
+        *,
+        per_token: bool = False,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+    ) -> None:
         self._routes = routes
         self._on_failed = on_failed
-        self._queue: deque[tuple[int, OutRecord]] = deque()  # (request partition, record)
+        self._per_token = per_token
+        self._max_record_bytes = max_record_bytes
+        # (request partition, target, chunk)
+        self._queue: deque[tuple[int, StreamTarget, TokenChunk]] = deque()
         self._wake = asyncio.Event()
         self._stopping = False
         self._producer: AIOKafkaProducer | None = None
-        self.sent = 0  # chunks handed to the producer (acknowledged or not)
+        self.sent = 0  # records handed to the producer (acknowledged or not)
 
     def attach(self, producer: AIOKafkaProducer) -> None:
         self._producer = producer
 
-    def put(self, partition: int, records: list[OutRecord]) -> None:
-        self._queue.extend((partition, r) for r in records)
+    def put(self, partition: int, targets: Sequence[StreamTarget], chunk: TokenChunk) -> None:
+        """Queue ``chunk`` (of a request read from ``partition``) for each of ``targets``."""
+        self._queue.extend((partition, target, chunk) for target in targets)
         self._wake.set()
 
     def stop_soon(self) -> None:
@@ -86,21 +124,49 @@ class TokenStream:
         producer = self._producer
         assert producer is not None, "attach a producer before run"
         while self._queue:
-            partition, record = self._queue.popleft()
-            if record.reply and not await self._routes.routable(
-                producer, record.topic, record.partition or 0
-            ):
-                continue  # counted and logged by the routes; the chunk is nobody's to read
-            try:
-                future = await producer.send(
-                    record.topic, record.value, key=record.key, partition=record.partition,
-                    headers=record.headers,
+            groups: dict[tuple[int, StreamTarget], list[TokenChunk]] = {}
+            while self._queue:
+                partition, target, chunk = self._queue.popleft()
+                groups.setdefault((partition, target), []).append(chunk)
+            for (partition, target), chunks in groups.items():
+                if target.reply and not await self._routes.routable(
+                    producer, target.topic, target.partition
+                ):
+                    continue  # counted and logged by the routes; the chunks are nobody's to read
+                for record in self._records(target, chunks):
+                    await self._send(producer, partition, record)
+
+    def _records(self, target: StreamTarget, chunks: list[TokenChunk]) -> Iterator[OutRecord]:
+        if self._per_token:
+            headers = reply_headers(REPLY_KIND_TOKEN) if target.reply else []
+            for chunk in chunks:
+                yield OutRecord(
+                    target.topic, target.partition, chunk.request_id.encode(),
+                    chunk.model_dump_json().encode(), headers, reply=target.reply,
                 )  # fmt: skip
-            except KafkaError as exc:  # refused before it was queued (its size, a closed client)
-                self._on_failed(partition, record, exc)
-                continue
-            self.sent += 1
-            future.add_done_callback(partial(self._acknowledged, partition, record))
+            return
+        batch = TokenChunks.model_construct(chunks=chunks)
+        value = batch.model_dump_json(exclude_none=True).encode()
+        if len(value) > self._max_record_bytes and len(chunks) > 1:
+            half = len(chunks) // 2
+            yield from self._records(target, chunks[:half])
+            yield from self._records(target, chunks[half:])
+            return
+        yield OutRecord(
+            target.topic, target.partition, None, value, _TOKENS_HEADERS, reply=target.reply
+        )
+
+    async def _send(self, producer: AIOKafkaProducer, partition: int, record: OutRecord) -> None:
+        try:
+            future = await producer.send(
+                record.topic, record.value, key=record.key, partition=record.partition,
+                headers=record.headers,
+            )  # fmt: skip
+        except KafkaError as exc:  # refused before it was queued (its size, a closed client)
+            self._on_failed(partition, record, exc)
+            return
+        self.sent += 1
+        future.add_done_callback(partial(self._acknowledged, partition, record))
 
     def _acknowledged(
         self, partition: int, record: OutRecord, future: asyncio.Future[RecordMetadata]

@@ -23,7 +23,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +31,18 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from pydantic import ValidationError
 
 from kvgate.admission_service.settings import KafkaSettings, load_settings
 from kvgate.client.first_copies import FirstCopies
 from kvgate.kafka_connection import SettingsError, client_options
 from kvgate.protocol import topics
-from kvgate.protocol.records import TRACEPARENT_HEADER
+from kvgate.protocol.records import (
+    REPLY_KIND_HEADER,
+    REPLY_KIND_TOKENS,
+    TRACEPARENT_HEADER,
+    token_chunks_of,
+)
 from kvgate.telemetry.context import traceparent_of
 from kvgate.telemetry.setup import TelemetryConfigError
 
@@ -231,6 +237,19 @@ def run_results(args: argparse.Namespace) -> int:
         return 0
 
 
+def _values(headers: Sequence[tuple[str, bytes]], value: bytes) -> list[bytes]:
+    """What one record prints: a line per token chunk of a record of a step's chunks (header
+    ``kvgate-reply-kind: tokens``), else the value as it is."""
+    kind = next((v for name, v in headers if name == REPLY_KIND_HEADER), None)
+    if kind != REPLY_KIND_TOKENS:
+        return [value]
+    try:
+        chunks = token_chunks_of(kind, value)
+    except ValidationError:
+        return [value]  # printed as it is, for whoever reads the lines to judge
+    return [chunk.model_dump_json().encode() for chunk in chunks]
+
+
 async def _follow(kafka: KafkaSettings, topic: str, args: argparse.Namespace) -> int:
     consumer = AIOKafkaConsumer(
         topic,
@@ -253,10 +272,11 @@ async def _follow(kafka: KafkaSettings, topic: str, args: argparse.Namespace) ->
                 for message in messages:
                     if message.value is None:
                         continue
-                    if not args.keep_copies and not firsts.first(message.value):
-                        continue
-                    sys.stdout.write(message.value.decode("utf-8", errors="replace") + "\n")
-                    seen += 1
+                    for value in _values(message.headers, message.value):
+                        if not args.keep_copies and not firsts.first(value):
+                            continue
+                        sys.stdout.write(value.decode("utf-8", errors="replace") + "\n")
+                        seen += 1
             sys.stdout.flush()
     except KafkaError as exc:
         raise Unreachable(f"reading {topic} on {kafka.bootstrap_servers} failed: {exc}") from None

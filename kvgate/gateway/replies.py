@@ -27,7 +27,9 @@ readers of the one partition:
   result copy being committed), in bursts of the service's commit cycle. Chunks are
   at-least-once — a request run again after a hand-off streams from index 0 again, and a
   retried chunk can come late — so each waiter keeps the first chunk of every (choice, index)
-  and passes them on in index order (:meth:`Waiter.offer`).
+  and passes them on in index order (:meth:`Waiter.offer`). A record holds a step's chunks for
+  this partition (``TokenChunks``, header ``tokens``) or, from a service writing a record per
+  token, one chunk (``token``); both are read.
 
 Fetches: Kafka answers a fetch as soon as a record arrives, so ``reply_fetch_max_wait_ms`` only
 sets how often an idle reader asks; a broker that holds an empty fetch for its whole wait
@@ -41,25 +43,27 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from pydantic import ValidationError
 
 from kvgate.gateway.settings import GatewaySettings
 from kvgate.kafka_connection import client_options
 from kvgate.protocol.records import (
     REPLY_KIND_HEADER,
     REPLY_KIND_RESULT,
-    REPLY_KIND_TOKEN,
+    TOKEN_KINDS,
     AbortRequest,
     InferenceRequest,
     InferenceResult,
     ReplyTo,
     TokenChunk,
+    token_chunks_of,
 )
 
 log = logging.getLogger(__name__)
@@ -164,8 +168,8 @@ class ReplyBridge:
         await tokens.seek_to_end(tp)
         await tokens.position(tp)  # "the end" now, not at the first fetch
         self._tasks = [
-            asyncio.create_task(self._read(results, REPLY_KIND_RESULT), name="gateway-results"),
-            asyncio.create_task(self._read(tokens, REPLY_KIND_TOKEN), name="gateway-tokens"),
+            asyncio.create_task(self._read(results, {REPLY_KIND_RESULT}), name="gateway-results"),
+            asyncio.create_task(self._read(tokens, TOKEN_KINDS), name="gateway-tokens"),
         ]
         self.ready.set()
 
@@ -210,15 +214,16 @@ class ReplyBridge:
             await admin.close()
 
     # ------------------------------------------------------------------ replies in
-    async def _read(self, consumer: AIOKafkaConsumer, kind: bytes) -> None:
-        """Hand every reply of ``kind`` (``REPLY_KIND_HEADER``) on; the other reader takes the
+    async def _read(self, consumer: AIOKafkaConsumer, kinds: Collection[bytes]) -> None:
+        """Hand every reply of ``kinds`` (``REPLY_KIND_HEADER``) on; the other reader takes the
         rest."""
         try:
             while True:
                 batch = await consumer.getmany(timeout_ms=1000)
                 for messages in batch.values():
                     for message in messages:
-                        if message.value is not None and _kind(message.headers) == kind:
+                        kind = _kind(message.headers)
+                        if message.value is not None and kind in kinds:
                             self._on_reply(kind, message.value)
         except asyncio.CancelledError:
             raise
@@ -228,14 +233,19 @@ class ReplyBridge:
             self.ready.clear()
             raise
 
-    def _on_reply(self, kind: bytes, value: bytes) -> None:
-        if kind == REPLY_KIND_TOKEN:
-            chunk = TokenChunk.model_validate_json(value)
-            waiter = self.waiters.get(chunk.request_id)
-            if waiter is not None:
-                waiter.offer(chunk)
-        else:
-            self.answered(InferenceResult.model_validate_json(value))
+    def _on_reply(self, kind: bytes | None, value: bytes) -> None:
+        try:
+            if kind in TOKEN_KINDS:
+                for chunk in token_chunks_of(kind, value):
+                    waiter = self.waiters.get(chunk.request_id)
+                    if waiter is not None:
+                        waiter.offer(chunk)
+                return
+            result = InferenceResult.model_validate_json(value)
+        except ValidationError as exc:  # not a service's record: nothing of it can be used
+            log.warning("skipping a %r reply that does not parse: %s", kind, exc)
+            return
+        self.answered(result)
 
     def answered(self, result: InferenceResult) -> None:
         self._remember(result)

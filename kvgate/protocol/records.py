@@ -398,12 +398,32 @@ class TokenChunk(_Message):
     top_logprobs: list[TokenLogprob] | None = None
 
 
+class TokenChunks(_Message):
+    """One record of the token stream: the chunks one step made for one topic partition (of
+    several requests, each request's in order), instead of a record per token."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    chunks: list[TokenChunk] = Field(min_length=1)
+
+
 # -------------------------------------------------------------------------- dead letters
 
 # On records written to a reply topic: which model the value is.
 REPLY_KIND_HEADER: Final = "kvgate-reply-kind"
 REPLY_KIND_RESULT: Final = b"result"  # an InferenceResult
-REPLY_KIND_TOKEN: Final = b"token"  # a TokenChunk
+REPLY_KIND_TOKEN: Final = b"token"  # a TokenChunk (one token: a service's per_token records)
+REPLY_KIND_TOKENS: Final = b"tokens"  # a TokenChunks (a step's tokens; on the token topic too)
+TOKEN_KINDS: Final = frozenset({REPLY_KIND_TOKEN, REPLY_KIND_TOKENS})
+
+
+def token_chunks_of(kind: bytes | None, value: bytes) -> list[TokenChunk]:
+    """The chunks of one token-stream record whose ``REPLY_KIND_HEADER`` is ``kind``: a
+    ``TokenChunks`` (``tokens``), else a single ``TokenChunk`` (``token``, or no header: the
+    token topic of a service writing a record per token). Raises pydantic's ValidationError."""
+    if kind == REPLY_KIND_TOKENS:
+        return TokenChunks.model_validate_json(value).chunks
+    return [TokenChunk.model_validate_json(value)]
+
 
 DLQ_CODE_HEADER: Final = "kvgate-dlq-code"
 DLQ_REASON_HEADER: Final = "kvgate-dlq-reason"

@@ -3,11 +3,13 @@
 ```
 kvgate.requests       key = request_id   value = InferenceRequest   header traceparent (W3C)
 kvgate.results        key = request_id   value = InferenceResult    same partition as the request
-kvgate.tokens         key = request_id   value = TokenChunk         same partition (optional)
+kvgate.tokens         no key             value = TokenChunks        same partition (optional; a
+                      step's chunks of the partition's requests, header kvgate-reply-kind:
+                      tokens; per_token: key = request_id, value = TokenChunk)
 kvgate.aborts         key = request_id   value = AbortRequest
 kvgate.requests.dlq   key = original     value = original bytes     headers += kvgate-dlq-*
-kvgate.replies.<id>   key = request_id   value = InferenceResult or TokenChunk (a gateway's own
-                      reply topic, named in the request; header kvgate-reply-kind)
+kvgate.replies.<id>   key = request_id   value = InferenceResult, or TokenChunks with no key (a
+                      gateway's own reply topic, named in the request; header kvgate-reply-kind)
 ```
 """
 

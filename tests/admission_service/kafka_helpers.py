@@ -8,14 +8,21 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from kvgate.protocol.records import DeadLetter, InferenceResult
+from kvgate.protocol.records import (
+    REPLY_KIND_HEADER,
+    TOKEN_KINDS,
+    DeadLetter,
+    InferenceResult,
+    TokenChunk,
+    token_chunks_of,
+)
 
 
 @dataclass(frozen=True)
@@ -84,9 +91,9 @@ async def read_all(
     timeout_s: float = 60.0,
     read_committed: bool = True,
     settle_s: float = 0.0,
-    key: bytes | None = None,
+    items: Callable[[Any], list[Any]] | None = None,
 ) -> list[Any]:
-    """Every record of ``topic`` from the start (only those with ``key`` when given), once
+    """Every record of ``topic`` from the start (or what ``items`` makes of each), once
     ``until_count`` are there (plus ``settle_s`` more of reading, to catch duplicates that
     would arrive late)."""
     consumer = AIOKafkaConsumer(
@@ -115,7 +122,8 @@ async def read_all(
         while True:
             batch = await consumer.getmany(timeout_ms=200)
             for messages in batch.values():
-                records.extend(m for m in messages if key is None or m.key == key)
+                for message in messages:
+                    records.extend([message] if items is None else items(message))
             now = time.monotonic()
             if len(records) >= until_count and settle_until is None:
                 settle_until = now + settle_s
@@ -127,6 +135,35 @@ async def read_all(
                 )
     finally:
         await consumer.stop()
+
+
+async def read_token_chunks(
+    bootstrap: str,
+    topic: str,
+    *,
+    until_count: int,
+    request_id: str | None = None,
+    read_committed: bool = False,
+    **options: Any,
+) -> list[tuple[int, TokenChunk]]:
+    """The token chunks on ``topic`` (a token topic or a reply topic: its results are left
+    out), with the partition each came on, from records of a step's chunks or of one chunk
+    each; ``request_id``'s only when given."""
+
+    def chunks_of(record: Any) -> list[tuple[int, TokenChunk]]:
+        kind = next((v for name, v in record.headers if name == REPLY_KIND_HEADER), None)
+        if kind is not None and kind not in TOKEN_KINDS:
+            return []
+        return [
+            (record.partition, chunk)
+            for chunk in token_chunks_of(kind, record.value)
+            if request_id is None or chunk.request_id == request_id
+        ]
+
+    return await read_all(
+        bootstrap, topic, until_count=until_count, read_committed=read_committed,
+        items=chunks_of, **options,
+    )  # fmt: skip
 
 
 async def read_results(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -11,14 +12,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from kvgate.local.embedded_broker import EmbeddedBroker
 from kvgate.protocol.records import (
+    REPLY_KIND_HEADER,
+    REPLY_KIND_TOKENS,
     InferenceResult,
     ResultStatus,
     SourceRef,
     Timings,
     TokenChunk,
+    TokenChunks,
     Usage,
 )
 
@@ -116,6 +121,43 @@ def test_results_prints_each_result_and_token_chunk_once(tmp_path: Path) -> None
         assert printed == sorted([answer, "not json", "not json"]), "no id: always printed"
         assert results("--tokens") == [chunks[0], chunks[1], chunks[2], chunks[5]], "by choice"
         assert results("--tokens", "--keep-copies") == chunks
+
+
+def test_results_prints_a_line_per_chunk_of_a_steps_record() -> None:
+    """The service writes a step's chunks for a partition as one record (``TokenChunks``,
+    header ``tokens``): ``results --tokens`` prints each chunk as its own line, the first of
+    each identity across records; a record that does not parse is printed as it is."""
+    chunks = [
+        TokenChunk(request_id=rid, index=i, token_id=5 + i, exit_depth=1)
+        for rid, i in (("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 1), ("a", 2))
+    ]  # the second ("a", 1) is a copy (a re-run after a hand-off)
+    steps = [
+        TokenChunks(chunks=chunks[:2]), TokenChunks(chunks=chunks[2:4]),
+        TokenChunks(chunks=chunks[4:]),
+    ]  # fmt: skip
+    headers = [(REPLY_KIND_HEADER, REPLY_KIND_TOKENS)]
+
+    async def produce(bootstrap: str) -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        try:
+            for step in steps:
+                value = step.model_dump_json(exclude_none=True).encode()
+                await producer.send_and_wait("kvgate.tokens", value, partition=0, headers=headers)
+            await producer.send_and_wait(
+                "kvgate.tokens", b"{not json", partition=0, headers=headers
+            )
+        finally:
+            await producer.stop()
+
+    with EmbeddedBroker() as broker:
+        asyncio.run(produce(broker.bootstrap))
+        done = kvgate("results", "--bootstrap", broker.bootstrap, "--from-beginning", "--tokens",
+                      "--timeout-s", "5")  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "{not json"
+    printed = [TokenChunk.model_validate_json(line) for line in lines[:-1]]
+    assert printed == [chunks[i] for i in (0, 1, 2, 3, 5)]
 
 
 def test_produce_reports_a_missing_file(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -18,11 +19,13 @@ from kvgate.admission_service.validation import RawRecord, Rejection, validate_r
 from kvgate.local.embedded_broker import EmbeddedBroker
 from kvgate.protocol.records import (
     REPLY_KIND_HEADER,
+    REPLY_KIND_RESULT,
     InferenceResult,
     RejectCode,
     ReplyTo,
     ResultStatus,
     TokenChunk,
+    token_chunks_of,
 )
 from kvgate.sim.backend import LocalConnector
 
@@ -103,18 +106,22 @@ async def test_answers_are_copied_to_the_reply_partition_only(
 
         # 6 results + two rejections + the tokens of the even ones
         num_tokens = sum(len(by_id[f"m{i}"].output_token_ids) for i in (0, 2, 4))
+        partitions: set[int] = set()
+
+        def copies_of(record: Any) -> list[InferenceResult | TokenChunk]:
+            partitions.add(record.partition)
+            kind = dict(record.headers)[REPLY_KIND_HEADER]
+            if kind == REPLY_KIND_RESULT:
+                return [InferenceResult.model_validate_json(record.value)]
+            return list(token_chunks_of(kind, record.value))
+
         copies = await read_all(
             broker.bootstrap, reply_topic, until_count=6 + 2 + num_tokens, read_committed=False,
-            settle_s=0.3,
+            settle_s=0.3, items=copies_of,
         )  # fmt: skip
         assert len(copies) == 6 + 2 + num_tokens
-        assert {c.partition for c in copies} == {1}
-        kinds = [dict(c.headers)[REPLY_KIND_HEADER] for c in copies]
-        replied = [
-            InferenceResult.model_validate_json(c.value)
-            for c, kind in zip(copies, kinds, strict=True)
-            if kind == b"result"
-        ]
+        assert partitions == {1}
+        replied = [c for c in copies if isinstance(c, InferenceResult)]
         assert sorted(r.request_id for r in replied) == [
             "badbody",
             "big",
@@ -128,9 +135,8 @@ async def test_answers_are_copied_to_the_reply_partition_only(
         for copy in replied:
             assert copy == by_id[copy.request_id]  # the same answer as the results topic's
         tokens: dict[str, list[TokenChunk]] = {}
-        for c, kind in zip(copies, kinds, strict=True):
-            if kind == b"token":
-                chunk = TokenChunk.model_validate_json(c.value)
+        for chunk in copies:
+            if isinstance(chunk, TokenChunk):
                 tokens.setdefault(chunk.request_id, []).append(chunk)
         assert sorted(tokens) == ["m0", "m2", "m4"]
         for rid, chunks in tokens.items():

@@ -23,7 +23,6 @@ from kvgate.protocol.records import (
     DLQ_CODE_HEADER,
     RejectCode,
     ResultStatus,
-    TokenChunk,
 )
 from kvgate.sim.backend import LocalConnector, LocalSession, SimExecutorConfig
 
@@ -32,9 +31,9 @@ from .kafka_helpers import (
     Topics,
     committed_offsets,
     produce,
-    read_all,
     read_dead_letters,
     read_results,
+    read_token_chunks,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,20 +140,15 @@ async def test_mixed_workload_with_bad_input_and_token_stream(
         assert dict(malformed.headers)[DLQ_CODE_HEADER] == b"malformed_json"
         # Token stream: every completed request's tokens, in order, on its request's partition.
         completed = [r for r in results if r.status is ResultStatus.COMPLETED]
-        chunks = await read_all(
+        chunks = await read_token_chunks(
             broker.bootstrap,
             topics.tokens,
             until_count=sum(len(r.output_token_ids) for r in completed),
         )
         for result in completed:
-            mine = [
-                TokenChunk.model_validate_json(c.value)
-                for c in chunks
-                if c.key == result.request_id.encode()
-            ]
-            assert [c.token_id for c in mine] == result.output_token_ids
-            partitions = {c.partition for c in chunks if c.key == result.request_id.encode()}
-            assert partitions == {result.source.partition}
+            mine = [(p, c) for p, c in chunks if c.request_id == result.request_id]
+            assert [c.token_id for _, c in mine] == result.output_token_ids
+            assert {p for p, _ in mine} == {result.source.partition}
         # Latency and token metrics by priority agree with the results on Kafka.
         priority = {body["request_id"]: body.get("priority", 0) for body in good}
         metric = service.metrics.registry.get_sample_value

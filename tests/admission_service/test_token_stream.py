@@ -18,15 +18,22 @@ from aiokafka.structs import OffsetAndMetadata
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import PartitionLedger
 from kvgate.admission_service.outbox import Outbox
-from kvgate.admission_service.settings import KafkaSettings
+from kvgate.admission_service.replies import ReplyRoutes
+from kvgate.admission_service.settings import KafkaSettings, TokenRecords
+from kvgate.admission_service.token_stream import StreamTarget, TokenStream
 from kvgate.protocol.records import (
+    REPLY_KIND_HEADER,
+    REPLY_KIND_TOKEN,
+    REPLY_KIND_TOKENS,
     InferenceResult,
     ReplyTo,
     ResultStatus,
     SourceRef,
     Timings,
     TokenChunk,
+    TokenLogprob,
     Usage,
+    token_chunks_of,
 )
 
 from .helpers import until
@@ -66,6 +73,10 @@ class Producer:
     held: list[asyncio.Future[Any]] = field(default_factory=list)
     in_transaction: bool = False
     offset: int = 0
+    # What was sent: (topic, partition, key, value, headers).
+    records: list[tuple[str, int | None, bytes | None, bytes | None, list[Any]]] = field(
+        default_factory=list
+    )
 
     async def start(self) -> None:
         pass
@@ -93,6 +104,9 @@ class Producer:
         self.offset += 1
         future.set_result(_Sent(self.offset))
         self.log.append(("send", (topic, self.in_transaction)))
+        self.records.append(
+            (topic, kw.get("partition"), kw.get("key"), value, list(kw.get("headers") or ()))
+        )
         return future
 
     async def send_offsets_to_transaction(self, offsets: Any, group: str) -> None:
@@ -117,8 +131,8 @@ class _Sent:
     offset: int
 
 
-def chunk(index: int) -> TokenChunk:
-    return TokenChunk(request_id="r", index=index, token_id=7 + index, exit_depth=1)
+def chunk(index: int, request_id: str = "r") -> TokenChunk:
+    return TokenChunk(request_id=request_id, index=index, token_id=7 + index, exit_depth=1)
 
 
 def result() -> InferenceResult:
@@ -129,7 +143,9 @@ def result() -> InferenceResult:
     )  # fmt: skip
 
 
-async def started(producer: Producer, *, transactional: bool) -> Outbox:
+async def started(
+    producer: Producer, *, transactional: bool, settings: KafkaSettings = KAFKA
+) -> Outbox:
     commits: list[dict[Any, OffsetAndMetadata]] = []
 
     async def commit_offsets(offsets: dict[Any, OffsetAndMetadata]) -> None:
@@ -137,7 +153,7 @@ async def started(producer: Producer, *, transactional: bool) -> Outbox:
         producer.log.append(("commit offsets", None))
 
     box = Outbox(
-        KAFKA, transactional=transactional, producer_factory=lambda _txn_id: producer,  # type: ignore[arg-type,return-value]
+        settings, transactional=transactional, producer_factory=lambda _txn_id: producer,  # type: ignore[arg-type,return-value]
         commit_offsets=commit_offsets, metrics=ServiceMetrics(),
     )  # fmt: skip
     await box.start()
@@ -175,6 +191,7 @@ async def test_a_chunk_that_could_not_be_streamed_goes_out_with_the_next_cycle(
     box = await started(producer, transactional=transactional)
     running = asyncio.create_task(box.run())
     box.token(SOURCE, chunk(0), REPLY)  # to the token topic and the reply address: both fail
+    await until(lambda: box._num_pending == 2, what="both copies of the chunk back in the outbox")
     box.token(SOURCE, chunk(1), REPLY)
     await until(lambda: len(producer.sends("tok")) == 1, what="the second chunk streamed")
     await stopped(box, running)
@@ -217,3 +234,89 @@ async def test_an_answer_with_a_reply_address_is_committed_at_once(transactional
         transactional
     ]
     await stopped(box, running)
+
+
+def _chunks_sent(producer: Producer, topic: str) -> list[tuple[int | None, list[TokenChunk]]]:
+    """Each record sent to ``topic``: its partition and the chunks it holds (a key-less
+    ``TokenChunks`` with header ``tokens``: anything else fails here)."""
+    sent = []
+    for t, partition, key, value, headers in producer.records:
+        if t == topic:
+            assert key is None and headers == [(REPLY_KIND_HEADER, REPLY_KIND_TOKENS)]
+            assert value is not None
+            sent.append((partition, token_chunks_of(REPLY_KIND_TOKENS, value)))
+    return sent
+
+
+async def test_a_steps_chunks_are_one_record_per_topic_partition() -> None:
+    """What one step makes (put before the loop turns) leaves as one record per topic partition
+    and request partition, each request's chunks in order within it."""
+    producer = Producer()
+    box = await started(producer, transactional=True)
+    await box.open_partition(1)
+    box.track(1, PartitionLedger(committed=0))
+    running = asyncio.create_task(box.run())
+    on_1 = SourceRef(topic="req", partition=1, offset=0)
+    step = [(SOURCE, chunk(0, "a"), REPLY), (on_1, chunk(0, "b"), None),
+            (SOURCE, chunk(1, "a"), REPLY), (SOURCE, chunk(0, "c"), None),
+            (on_1, chunk(0, "d"), REPLY), (on_1, chunk(1, "b"), None)]  # fmt: skip
+    for source, made, reply in step:
+        box.token(source, made, reply)
+    await until(lambda: len(producer.records) == 4, what="a step's records")
+    for source, made, reply in [(SOURCE, chunk(2, "a"), REPLY)]:  # the next step
+        box.token(source, made, reply)
+    await until(lambda: len(producer.records) == 6, what="the next step's records")
+    await stopped(box, running)
+    assert _chunks_sent(producer, "tok") == [
+        (0, [chunk(0, "a"), chunk(1, "a"), chunk(0, "c")]),
+        (1, [chunk(0, "b"), chunk(0, "d"), chunk(1, "b")]),
+        (0, [chunk(2, "a")]),
+    ]
+    # The reply address's partition gets a record per request partition its chunks came from
+    # (a failed one goes back to that partition's commit cycle).
+    assert _chunks_sent(producer, REPLY.topic) == [
+        (REPLY.partition, [chunk(0, "a"), chunk(1, "a")]),
+        (REPLY.partition, [chunk(0, "d")]),
+        (REPLY.partition, [chunk(2, "a")]),
+    ]
+
+
+async def test_per_token_records_are_one_keyed_chunk_each() -> None:
+    """``token_records: per_token``: the records consumers written before the batches read."""
+    producer = Producer()
+    settings = KAFKA.model_copy(update={"token_records": TokenRecords.PER_TOKEN})
+    box = await started(producer, transactional=False, settings=settings)
+    running = asyncio.create_task(box.run())
+    for i in range(3):
+        box.token(SOURCE, chunk(i), REPLY)
+    await until(lambda: len(producer.records) == 6, what="a record per chunk and copy")
+    await stopped(box, running)
+    for topic, headers in (("tok", []), (REPLY.topic, [(REPLY_KIND_HEADER, REPLY_KIND_TOKEN)])):
+        sent = [r for r in producer.records if r[0] == topic]
+        assert [(key, TokenChunk.model_validate_json(value or b""), h)
+                for _, _, key, value, h in sent] == [
+            (b"r", chunk(i), headers) for i in range(3)
+        ]  # fmt: skip
+
+
+async def test_a_large_steps_chunks_are_split_below_the_record_limit() -> None:
+    producer = Producer()
+    failed: list[Any] = []
+    stream = TokenStream(ReplyRoutes(), lambda *a: failed.append(a), max_record_bytes=400)
+    stream.attach(producer)  # type: ignore[arg-type]
+    made = [
+        chunk(i, f"request-{i % 7}").model_copy(
+            update={"logprob": -0.5, "top_logprobs": [TokenLogprob(token_id=j, logprob=-1.0 * j)
+                                                      for j in range(3)]}
+        )
+        for i in range(40)
+    ]  # fmt: skip
+    target = StreamTarget("tok", 0)
+    for one in made:
+        stream.put(0, [target], one)
+    stream.stop_soon()
+    await stream.run()
+    sent = _chunks_sent(producer, "tok")
+    assert not failed and len(sent) > 4
+    assert all(len(value or b"") <= 400 for *_, value, _ in producer.records)
+    assert [c for _, chunks in sent for c in chunks] == made, "every chunk, in order"

@@ -29,12 +29,12 @@ import pytest
 
 from kvgate.admission_service.service import AdmissionService
 from kvgate.admission_service.settings import ServiceSettings, load_settings
-from kvgate.gateway.replies import Waiter
+from kvgate.gateway.replies import ReplyBridge, Waiter
 from kvgate.gateway.server import Gateway
 from kvgate.gateway.settings import GatewaySettings, ModelRoute
 from kvgate.kafka_connection import KafkaConnection
 from kvgate.local.embedded_broker import EmbeddedBroker
-from kvgate.protocol.records import TokenChunk
+from kvgate.protocol.records import REPLY_KIND_TOKEN, REPLY_KIND_TOKENS, TokenChunk, TokenChunks
 from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 from tests.admission_service.helpers import until
 from tests.admission_service.kafka_helpers import Topics, committed_offsets, read_results
@@ -287,3 +287,25 @@ async def test_the_choices_of_a_request_are_streams_of_their_own() -> None:
     passed = [(c.choice, c.index) for c in [waiter.tokens.get_nowait() for _ in range(5)]]
     assert passed == [(0, 0), (1, 0), (1, 1), (0, 1), (1, 2)], "choice 1's copy of 0 dropped"
     assert waiter.tokens.empty() and waiter.diverged_at(0) is None and waiter.diverged_at(1) is None
+
+
+async def test_the_bridge_reads_a_steps_records_and_single_chunks_and_skips_bad_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A service writes a step's chunks as one record (``tokens``), or a record per chunk
+    (``token``: ``token_records: per_token``, or an older service): the bridge hands each chunk
+    to its waiter; a record that does not parse is skipped with a warning, nothing else lost."""
+    bridge = ReplyBridge(
+        GatewaySettings(
+            kafka=KafkaConnection(bootstrap_servers="127.0.0.1:1"), port=0, replica_id="gw-a",
+            models=[ModelRoute(name=MODEL)], allow_anonymous=True,
+        )
+    )  # fmt: skip
+    waiter, _ = bridge.join("r")
+    other = TokenChunk(request_id="nobody-waits", index=0, token_id=1, exit_depth=1)
+    step = TokenChunks(chunks=[chunk(0), other, chunk(1)])
+    bridge._on_reply(REPLY_KIND_TOKENS, step.model_dump_json(exclude_none=True).encode())
+    bridge._on_reply(REPLY_KIND_TOKENS, b'{"schema_version": 1, "chunks": [{"index": 2}]}')
+    bridge._on_reply(REPLY_KIND_TOKEN, chunk(2).model_dump_json().encode())
+    assert passed_on(waiter) == [0, 1, 2]
+    assert "does not parse" in caplog.text

@@ -24,9 +24,9 @@ from tests.admission_service.kafka_helpers import (
     committed_offsets,
     partition_ends,
     produce,
-    read_all,
     read_dead_letters,
     read_results,
+    read_token_chunks,
 )
 from tests.harness.kafka import KafkaBroker
 from tests.integration.admission_stack import (
@@ -115,7 +115,9 @@ async def test_mixed_workload_bad_input_and_aborts(
             [request_body("aborted-early"), request_body("aborted-running", max_tokens=140)],
         )
         # Abort the long one once it streams tokens (it needs 140 steps of >= 3 ms).
-        await read_all(bootstrap, topics.tokens, until_count=1, key=b"aborted-running")
+        await read_token_chunks(
+            bootstrap, topics.tokens, until_count=1, request_id="aborted-running"
+        )
         await produce(bootstrap, topics.aborts, [{"request_id": "aborted-running"}])
         results = await read_results(bootstrap, topics.results, 24 + 7 + 2, settle_s=1.0)
         counts = Counter(r.request_id for r in results)

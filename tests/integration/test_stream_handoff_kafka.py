@@ -29,10 +29,10 @@ from kvgate.admission_service.settings import load_settings
 from kvgate.gateway.server import Gateway
 from kvgate.gateway.settings import GatewaySettings, ModelRoute
 from kvgate.kafka_connection import KafkaConnection
-from kvgate.protocol.records import REPLY_KIND_HEADER, REPLY_KIND_TOKEN, TokenChunk
+from kvgate.protocol.records import TokenChunk
 from kvgate.sim.backend import LocalConnector, SimExecutorConfig
 from tests.admission_service.helpers import until
-from tests.admission_service.kafka_helpers import Topics, read_all, read_results
+from tests.admission_service.kafka_helpers import Topics, read_results, read_token_chunks
 from tests.admission_service.word_tokenizers import word_tokenizer
 from tests.gateway.test_stream_delivery import Stream
 from tests.harness.kafka import KafkaBroker
@@ -127,16 +127,10 @@ async def test_a_re_run_after_a_hand_off_shows_the_client_each_token_once(
             await next_owner.shutdown()
         assert len(results) == 1 and results[0].usage.completion_tokens == MAX_TOKENS
         # The copies are there: the first run's chunks came again from the re-run ...
-        replies = await read_all(
-            bootstrap, gateway.settings.reply_topic, until_count=MAX_TOKENS + 1,
-            read_committed=False, settle_s=0.5,
-        )  # fmt: skip
-        chunks = [
-            TokenChunk.model_validate_json(r.value)
-            for r in replies
-            if (REPLY_KIND_HEADER, REPLY_KIND_TOKEN) in list(r.headers)
-        ]
-        copies = Counter((c.request_id, c.choice, c.index) for c in chunks)
+        chunks = await read_token_chunks(
+            bootstrap, gateway.settings.reply_topic, until_count=MAX_TOKENS, settle_s=0.5
+        )
+        copies = Counter((c.request_id, c.choice, c.index) for _, c in chunks)
         assert len(copies) == MAX_TOKENS
         assert max(copies.values()) >= 2, f"the request ran twice: {copies}"
         # ... and the client saw each token once.
