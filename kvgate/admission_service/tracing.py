@@ -185,7 +185,7 @@ class ServiceTracer:
         if span.is_recording():
             span.set_attributes(
                 {
-                    attr.STEP_SAMPLED_TOKENS: len(result.tokens),
+                    attr.STEP_SAMPLED_TOKENS: result.num_tokens,
                     attr.STEP_EXECUTE_S: result.timings.execute_s,
                     attr.STEP_ROUND_TRIP_S: round_trip_s,
                 }

@@ -34,7 +34,7 @@ def result_attributes(
     return {
         attr.STEP_DECODE_TOKENS: len(result.decode.request_ids),
         attr.STEP_SKIPPED_ROWS: len(result.skipped_request_ids),
-        attr.STEP_SAMPLED_TOKENS: len(result.tokens),
+        attr.STEP_SAMPLED_TOKENS: result.num_tokens,
         attr.STEP_EXITED_ROWS: sum(result.decode.exited),
         attr.STEP_DEPTH_TOKEN_PASSES: token_passes_per_depth,
         attr.STEP_MAX_DEPTH: deepest,

@@ -5,7 +5,7 @@ accepted epochs      e1 < e2 < ... < e_max          strictly increasing; accepti
                                                     out (and resets) every older session
 refused              epoch <= e_max                 STALE_EPOCH
 refused              epoch >  now_ms + max_lead_ms  PROTOCOL: no client can jump the sequence
-refused              protocol_version != ours       PROTOCOL
+refused              protocol_version not spoken    PROTOCOL
 ```
 Admission services derive epochs from their wall clock in milliseconds (``EpochClock``), so
 the ceiling ``now + max_lead`` bounds what a client holding the executor token can do: an epoch
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from kvgate.protocol.step import PROTOCOL_VERSION, ErrorCode, ProtocolError, SessionOpen
+from kvgate.protocol.step import SUPPORTED_PROTOCOL_VERSIONS, ErrorCode, ProtocolError, SessionOpen
 
 DEFAULT_MAX_EPOCH_LEAD_S: Final = 60.0
 
@@ -45,11 +45,11 @@ class EpochFence:
 
     def refusal(self, opening: SessionOpen) -> ProtocolError | None:
         """Why ``opening`` may not open a session; None when it may (nothing is recorded)."""
-        if opening.protocol_version != PROTOCOL_VERSION:
+        if opening.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
             return ProtocolError(
                 code=ErrorCode.PROTOCOL,
                 message=f"protocol version {opening.protocol_version}; this executor speaks "
-                f"{PROTOCOL_VERSION}",
+                f"{', '.join(map(str, sorted(SUPPORTED_PROTOCOL_VERSIONS)))}",
             )
         if self.max_epoch is not None and opening.epoch <= self.max_epoch:
             return ProtocolError(

@@ -14,6 +14,12 @@ admission service                         executor
                      ◀─────────────────── StepResult(step 2)
 ```
 
+Versions: ``SessionOpen.protocol_version`` is the opener's; an executor speaks 1 and 2 and
+answers in the opener's. In 2 a result's sampled tokens come as columns (``StepResult.sampled``,
+a list per field: a step of 250 tokens parses about four times faster than 250 objects); in 1
+as a list of objects (``StepResult.tokens``). Readers use ``StepResult.token_rows()``, which
+reads either.
+
 A plan carries a request's prompt and sampling parameters once (``new_requests``) and afterwards
 only deltas: rows, appended block ids, and swap/free actions. The executor never decides who
 runs; it follows the block tables it is sent. It validates a whole plan before touching any state,
@@ -47,15 +53,17 @@ which a later ``swap_in`` restores.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvgate.protocol.stopping import DEFAULT_MAX_TOKENS
 from kvgate.protocol.structured import GrammarSpec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # what the admission service opens with
+SUPPORTED_PROTOCOL_VERSIONS = frozenset({1, 2})  # what an executor accepts
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -298,6 +306,46 @@ class SampledToken(_Frozen):
     top_logprobs: list[TokenLogprob] | None = None
 
 
+# One sampled token as ``StepResult.token_rows`` yields it:
+# (request_id, position, token_id, exit_depth, logprob, top_logprobs).
+TokenRow = tuple[str, int, int, int, float | None, list[TokenLogprob] | None]
+
+
+class SampledTokens(_Frozen):
+    """A step's sampled tokens as columns (protocol 2): entry ``i`` of each list is token ``i``
+    (fields as ``SampledToken``'s). ``logprobs`` and ``top_logprobs`` are present when some
+    request of the step asked for them, ``None`` at the tokens of the others."""
+
+    request_ids: list[str] = Field(default_factory=list)
+    positions: list[NonNegativeInt] = Field(default_factory=list)
+    token_ids: list[NonNegativeInt] = Field(default_factory=list)
+    exit_depths: list[PositiveInt] = Field(default_factory=list)
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[list[TokenLogprob] | None] | None = None
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> Self:
+        n = len(self.request_ids)
+        lengths = [len(self.positions), len(self.token_ids), len(self.exit_depths)]
+        lengths += [len(c) for c in (self.logprobs, self.top_logprobs) if c is not None]
+        if any(length != n for length in lengths):
+            raise ValueError(f"sampled token columns of different lengths: {[n, *lengths]}")
+        return self
+
+    @classmethod
+    def of(cls, tokens: list[SampledToken]) -> SampledTokens:
+        """``tokens`` as columns (built without validation: they are validated objects)."""
+        asked = any(t.logprob is not None or t.top_logprobs is not None for t in tokens)
+        return cls.model_construct(
+            request_ids=[t.request_id for t in tokens],
+            positions=[t.position for t in tokens],
+            token_ids=[t.token_id for t in tokens],
+            exit_depths=[t.exit_depth for t in tokens],
+            logprobs=[t.logprob for t in tokens] if asked else None,
+            top_logprobs=[t.top_logprobs for t in tokens] if asked else None,
+        )
+
+
 class PromptLogprobs(_Frozen):
     """Log-probabilities of prompt tokens ``[first_position, first_position + len(logprobs))``,
     each given the tokens before it, from one fill row (``SamplingParams.prompt_logprobs``).
@@ -357,13 +405,58 @@ class StepResult(_Frozen):
 
     type: Literal["result"] = "result"
     step_id: PositiveInt
-    tokens: list[SampledToken] = Field(default_factory=list)
+    tokens: list[SampledToken] = Field(default_factory=list)  # protocol 1 (and in-process)
+    sampled: SampledTokens | None = None  # protocol 2: the tokens as columns
     prompt_logprobs: list[PromptLogprobs] = Field(default_factory=list)
     decode: DecodeOutcomes = DecodeOutcomes()
     skipped_request_ids: list[str] = Field(default_factory=list)
     timings: StepTimings = StepTimings()
     counters: ExecutorCounters = ExecutorCounters()
     error: StepError | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Self:
+        if self.tokens and self.sampled is not None:
+            raise ValueError("a result carries its tokens as objects or as columns, not both")
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) if self.sampled is None else len(self.sampled.request_ids)
+
+    def token_rows(self) -> Iterator[TokenRow]:
+        """Every sampled token, in order, whichever form the result carries."""
+        columns = self.sampled
+        if columns is None:
+            for t in self.tokens:
+                yield t.request_id, t.position, t.token_id, t.exit_depth, t.logprob, t.top_logprobs
+            return
+        n = len(columns.request_ids)
+        logprobs = columns.logprobs if columns.logprobs is not None else [None] * n
+        tops = columns.top_logprobs if columns.top_logprobs is not None else [None] * n
+        yield from zip(
+            columns.request_ids, columns.positions, columns.token_ids, columns.exit_depths,
+            logprobs, tops, strict=True,
+        )  # fmt: skip
+
+    def sampled_tokens(self) -> list[SampledToken]:
+        """The tokens as objects, whichever form the result carries (for readers off the hot
+        path)."""
+        if self.sampled is None:
+            return self.tokens
+        fields = ("request_id", "position", "token_id", "exit_depth", "logprob", "top_logprobs")
+        return [SampledToken(**dict(zip(fields, row, strict=True))) for row in self.token_rows()]
+
+    def to_json(self, version: int) -> str:
+        """This result as a peer speaking protocol ``version`` reads it: from 2 on the tokens
+        as columns; in 1 as objects, and without the ``sampled`` key (a version-1 reader
+        refuses a key it does not know, even a null one)."""
+        if version < 2:
+            return self.model_dump_json(exclude={"sampled"})
+        if self.sampled is not None or not self.tokens:
+            return self.model_dump_json()
+        columns = self.model_copy(update={"tokens": [], "sampled": SampledTokens.of(self.tokens)})
+        return columns.model_dump_json()
 
 
 class ExecutorInfo(_Frozen):

@@ -423,9 +423,7 @@ class Scheduler:
                 self._events.append(PromptLogprobsEvent(scores.request_id, scores))
         self._apply_tokens(result)
         requests = state.requests
-        state.waiting.refresh(
-            requests[t.request_id] for t in result.tokens if t.request_id in requests
-        )
+        state.waiting.refresh(requests[row[0]] for row in result.token_rows() if row[0] in requests)
         self._check_skipped(result)
         # Progress means K/V beyond a request's high-water mark, a new token, or a finish: work
         # redone after a recompute preemption does not count, so a preempt/restore cycle cannot
@@ -494,10 +492,9 @@ class Scheduler:
     def _apply_tokens(self, result: StepResult) -> None:
         requests = self.state.requests
         events = self._events
-        if result.tokens:
+        if result.num_tokens:
             self._progressed = True  # a token always lies past its request's high-water mark
-        for token in result.tokens:
-            request_id, position, token_id = token.request_id, token.position, token.token_id
+        for request_id, position, token_id, exit_depth, logprob, top in result.token_rows():
             request = requests.get(request_id)
             if request is None:
                 continue
@@ -508,7 +505,6 @@ class Scheduler:
                     f"{request_id}: token at position {position}, expected "
                     f"{request.prompt_len + index}"
                 )
-            exit_depth = token.exit_depth
             outputs.append(token_id)
             request.exit_depths.append(exit_depth)
             # The same tuple as ``TokenEvent(...)`` without the generated Python-level ``__new__``
@@ -516,7 +512,7 @@ class Scheduler:
             events.append(
                 tuple.__new__(
                     TokenEvent,
-                    (request_id, index, token_id, exit_depth, token.logprob, token.top_logprobs),
+                    (request_id, index, token_id, exit_depth, logprob, top),
                 )
             )
             request.progress_mark = position

@@ -52,7 +52,7 @@ class ExecutorMetrics:
         if result.error is None:
             self.rows.labels(kind="prefill").inc(prefill_rows)
             self.rows.labels(kind="decode").inc(decode_rows)
-            self.tokens.inc(len(result.tokens))
+            self.tokens.inc(result.num_tokens)
         self.requests.set(result.counters.num_requests)
         self.snapshots.set(result.counters.num_snapshots)
         self.host_blocks.set(result.counters.host_blocks_used)

@@ -94,6 +94,7 @@ class _Session:
         default_factory=asyncio.Queue
     )
     fenced: bool = False  # read by the worker thread before each plan
+    protocol_version: int = wire.PROTOCOL_VERSION  # the opener's: results are written in it
 
 
 class StepServer:
@@ -286,7 +287,9 @@ class StepServer:
                 self.metrics.sessions.labels(outcome="stale" if stale else "protocol_error").inc()
                 await self._reject(ws, refusal)
                 return None
-            session = _Session(opening.epoch, opening.session_id, ws)
+            session = _Session(
+                opening.epoch, opening.session_id, ws, protocol_version=opening.protocol_version
+            )
             previous, self._session = self._session, session
             if previous is not None:
                 await self._fence(previous, f"session epoch {opening.epoch} replaced this one")
@@ -370,7 +373,7 @@ class StepServer:
             if result is None or session.ws.closed or session.fenced:
                 return
             try:
-                await session.ws.send_str(result.model_dump_json())
+                await session.ws.send_str(result.to_json(session.protocol_version))
             except (ConnectionError, ClientError):
                 # The admission service vanished mid-step (killed: its socket is reset, not
                 # closed). Its successor opens a new epoch, which resets this executor.

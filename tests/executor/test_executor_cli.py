@@ -107,7 +107,7 @@ def test_serves_plans_and_stops_on_sigterm(llama_dir: Path, tmp_path: Path) -> N
     )  # fmt: skip
     try:
         result = asyncio.run(_serve_one_plan(port, "file-token"))
-        assert result.error is None and [t.position for t in result.tokens] == [3]
+        assert result.error is None and [t.position for t in result.sampled_tokens()] == [3]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:

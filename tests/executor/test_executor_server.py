@@ -69,10 +69,11 @@ async def client(llama: LoadedModel) -> AsyncIterator[Client]:
 
 
 async def _open(
-    client: Client, epoch: int
+    client: Client, epoch: int, version: int = wire.PROTOCOL_VERSION
 ) -> tuple[aiohttp.ClientWebSocketResponse, dict[str, object]]:
     ws = await client.ws_connect("/v1/steps", headers=AUTH)
-    await ws.send_str(wire.SessionOpen(epoch=epoch, session_id=f"s{epoch}").model_dump_json())
+    opening = wire.SessionOpen(epoch=epoch, session_id=f"s{epoch}", protocol_version=version)
+    await ws.send_str(opening.model_dump_json())
     reply = json.loads(await ws.receive_str(timeout=10))
     return ws, reply
 
@@ -156,7 +157,7 @@ async def test_session_runs_pipelined_plans_in_order(
     results = [await _result(ws) for _ in range(3)]
     assert [r.step_id for r in results] == [1, 2, 3]
     assert all(r.error is None for r in results)
-    positions = [t.position for r in results for t in r.tokens]
+    positions = [t.position for r in results for t in r.sampled_tokens()]
     assert positions == [4, 5, 6]
     await ws.close()
 
@@ -219,7 +220,7 @@ async def test_bad_plans_get_error_results_and_the_session_goes_on(
     )
     assert unknown.step_id == 3 and unknown.error is not None
     assert unknown.error.code is wire.ErrorCode.UNKNOWN_REQUEST and "ghost" in unknown.error.message
-    assert good.step_id == 4 and good.error is None and good.tokens[0].position == 5
+    assert good.step_id == 4 and good.error is None and good.sampled_tokens()[0].position == 5
     metrics = await (await client.get("/metrics")).text()
     assert 'kvgate_executor_steps_total{outcome="bad_plan"} 1.0' in metrics
     assert 'kvgate_executor_steps_total{outcome="unknown_request"} 1.0' in metrics
@@ -302,3 +303,30 @@ async def test_a_model_without_a_tokenizer_serves_none(llama: LoadedModel) -> No
         assert "no tokenizer" in await response.text()
     finally:
         await client.close()
+
+
+async def test_results_come_in_the_openers_protocol_version(client: Client) -> None:
+    """Version 1 (an admission service before columns): tokens as objects. Version 2: the same
+    tokens as columns. Any other version is refused, naming the ones spoken."""
+    seen: dict[int, list[wire.SampledToken]] = {}
+    for epoch, version in ((1, 1), (2, 2)):
+        ws, reply = await _open(client, epoch=epoch, version=version)
+        assert reply["type"] == "accepted"
+        raws = []
+        for plan in (_fill_plan(1), _decode_plan(2), _decode_plan(3)):
+            await ws.send_str(plan.model_dump_json())
+            raws.append(json.loads(await ws.receive_str(timeout=10)))
+        if version == 1:
+            assert all("sampled" not in raw and len(raw["tokens"]) == 1 for raw in raws)
+        else:
+            assert all(
+                raw["tokens"] == [] and len(raw["sampled"]["token_ids"]) == 1 for raw in raws
+            )
+        results = [wire.StepResult.model_validate(raw) for raw in raws]
+        seen[version] = [t for r in results for t in r.sampled_tokens()]
+        await ws.close()
+    assert [t.position for t in seen[2]] == [4, 5, 6]
+    assert seen[1] == seen[2], "the same tokens either way (the session reset between them)"
+    ws, reply = await _open(client, epoch=3, version=3)
+    assert reply["type"] == "error" and "protocol version 3" in str(reply["message"])
+    assert "speaks 1, 2" in str(reply["message"])

@@ -167,7 +167,7 @@ def test_cli_serves_over_two_ranks(tp_dirs: dict[str, Path], tmp_path: Path, sto
     )  # fmt: skip
     try:
         result = asyncio.run(_serve_one_plan(port, "tp-token"))
-        assert result.error is None and [t.position for t in result.tokens] == [3]
+        assert result.error is None and [t.position for t in result.sampled_tokens()] == [3]
         (follower,) = _children(process.pid)
         if stop == "sigterm":
             process.send_signal(signal.SIGTERM)
