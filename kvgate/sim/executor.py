@@ -50,6 +50,22 @@ class SimulationError(RuntimeError):
 
 
 @dataclass(slots=True)
+class _ContextFold:
+    """What ``_context`` folded last for one plane of a request, to start from next time: the
+    full pages (their blocks and digests, and the fold after each) and the slots of the partial
+    page after them (its block, the fold it started from, its values, the fold after each).
+    A prefix is reused only while its blocks and values are still the ones folded."""
+
+    blocks: list[int] = field(default_factory=list)
+    digests: list[int] = field(default_factory=list)
+    folds: list[int] = field(default_factory=list)  # folds[k]: after k full pages
+    partial_block: int = -1
+    partial_start: int = 0
+    partial_values: list[int] = field(default_factory=list)
+    partial_folds: list[int] = field(default_factory=list)  # [i]: after i slots
+
+
+@dataclass(slots=True)
 class _SimRequest:
     new: NewRequest
     rid_hash: int
@@ -66,6 +82,7 @@ class _SimRequest:
     depth_done: int = 0
     filled: bool = False
     finished: bool = False
+    context_folds: dict[int, _ContextFold] = field(default_factory=dict)  # per plane
 
     @property
     def num_pages(self) -> int:
@@ -360,13 +377,36 @@ class SimExecutor:
         self._digests[block] = None
 
     def _context(self, request: _SimRequest, plane: int, position: int) -> int:
-        """Digest of plane ``plane`` over positions ``[0, position)`` read through the table."""
+        """Digest of plane ``plane`` over positions ``[0, position)`` read through the table:
+        the pages' digests folded in order, then the partial page's slots.
+
+        A decode step attends to what the step before attended to plus one slot, so the fold
+        starts from the longest prefix of the last one whose blocks, digests and slot values
+        are unchanged (the same value as folding from scratch, at a slot's cost per row)."""
         full_pages, partial = divmod(position, self.block_size)
         table = request.tables[plane - 1]
-        h = plane
-        for page in range(full_pages):
+        memo = request.context_folds.get(plane)
+        if memo is None:
+            memo = request.context_folds[plane] = _ContextFold(folds=[plane])
+        digests = self._digests
+        kept = len(memo.blocks)
+        if (
+            kept > full_pages
+            or table[:kept] != memo.blocks
+            or [digests[block] for block in memo.blocks] != memo.digests
+        ):
+            kept = 0
+            while (
+                kept < min(len(memo.blocks), full_pages)
+                and table[kept] == memo.blocks[kept]
+                and digests[table[kept]] == memo.digests[kept]
+            ):
+                kept += 1
+            del memo.blocks[kept:], memo.digests[kept:], memo.folds[kept + 1 :]
+        h = memo.folds[kept]
+        for page in range(kept, full_pages):
             block = table[page]
-            digest = self._digests[block]
+            digest = digests[block]
             if digest is None:
                 slots = self._kv[block]
                 if None in slots:
@@ -375,11 +415,38 @@ class SimExecutor:
                         "slots below the attended position"
                     )
                 digest = mix(*slots)  # type: ignore[arg-type]
-                self._digests[block] = digest
+                digests[block] = digest
             h = mix(h, digest)
-        base = full_pages * self.block_size
-        for position_in_page in range(partial):
-            h = mix(h, self._read(request, plane, base + position_in_page))
+            memo.blocks.append(block)
+            memo.digests.append(digest)
+            memo.folds.append(h)
+        if partial == 0:
+            return h
+        block = table[full_pages]
+        slots = self._kv[block]
+        values = memo.partial_values
+        if (
+            memo.partial_block != block
+            or memo.partial_start != h
+            or len(values) > partial
+            or slots[: len(values)] != values
+        ):
+            memo.partial_block, memo.partial_start = block, h
+            values.clear()
+            memo.partial_folds = [h]
+        folds = memo.partial_folds
+        h = folds[-1]
+        for offset in range(len(values), partial):
+            value = slots[offset]
+            if value is None:
+                raise SimulationError(
+                    f"{request.new.request_id}: K/V of position "
+                    f"{full_pages * self.block_size + offset} at plane {plane} (block {block}) "
+                    "was never written"
+                )
+            h = mix(h, value)
+            values.append(value)
+            folds.append(h)
         return h
 
     def _pass(self, request: _SimRequest, position: int, depth: int) -> int:
