@@ -30,11 +30,15 @@ from tests.executor.driver import DriverConfig
 from tests.real_model.test_golden import _prompts, _run
 
 # Measured on four prompts (3 positions each): relative norm 0.033-0.057, max |diff| 0.80-1.23
-# on logits of size ~30. The top token at the last prompt position agreed on 7 of the 8 golden
-# prompts; chat-0 ("What is the capital of France?") is a near tie in float32 (token 504 at
-# 25.325, token 60 "L" at 25.243) that the int8 path resolves the other way (60 at 25.04, 504 at
-# 24.88), so its greedy answer begins "L'Étoile" rather than "Paris".
-LOGIT_REL_BOUND = 0.09
+# on logits of size ~30 (an AVX2 machine). The top token at the last prompt position agreed on 7
+# of the 8 golden prompts; chat-0 ("What is the capital of France?") is a near tie in float32
+# (token 504 at 25.325, token 60 "L" at 25.243) that the int8 path resolves the other way (60 at
+# 25.04, 504 at 24.88), so its greedy answer begins "L'Étoile" rather than "Paris".
+# The int8 activations' error depends on the machine's float rounding before each quantization
+# (a value on a rounding edge moves a whole step): on an AVX-512 AMD machine plain-0, plain-3 and
+# chat-0 measured 0.046 / 0.056 / 0.092 with the CPU kernels and 0.056 / 0.030 / 0.114 on the
+# torch path (KVGATE_CPU_KERNELS=torch). A block's weights in the wrong order measure 1.5.
+LOGIT_REL_BOUND = 0.15
 LOGIT_ATOL = 2.0
 TIE_MARGIN = 0.25
 MEMORY_BOUND = 1.15
