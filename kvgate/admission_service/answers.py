@@ -115,15 +115,14 @@ class Answers:
         )
 
     def token(self, tracked: Tracked, event: TokenEvent) -> None:
-        # Built without validation (one per output token): every field comes from a step result
-        # the session already validated.
+        # Validated (pydantic's compiled validator is faster than its Python model_construct).
         top = event.top_logprobs
-        chunk = TokenChunk.model_construct(
+        chunk = TokenChunk(
             request_id=tracked.request.request_id, index=event.output_index,
             token_id=event.token_id, exit_depth=event.exit_depth, choice=tracked.choice,
             logprob=event.logprob,
             top_logprobs=(
-                [TokenLogprob.model_construct(token_id=t.token_id, logprob=t.logprob) for t in top]
+                [TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in top]
                 if top is not None else None
             ),
         )  # fmt: skip

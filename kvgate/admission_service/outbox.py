@@ -75,7 +75,7 @@ from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import CommitPoint, PartitionLedger
 from kvgate.admission_service.out_records import OutRecord, reply_record
 from kvgate.admission_service.replies import ReplyRoutes
-from kvgate.admission_service.settings import KafkaSettings, TokenRecords
+from kvgate.admission_service.settings import KafkaSettings
 from kvgate.admission_service.token_stream import StreamTarget, TokenStream
 from kvgate.admission_service.validation import RawRecord, Rejection
 from kvgate.backoff import jittered_delay_s
@@ -86,6 +86,7 @@ from kvgate.protocol.records import (
     ReplyTo,
     SourceRef,
     TokenChunk,
+    TokenRecords,
 )
 
 log = logging.getLogger(__name__)

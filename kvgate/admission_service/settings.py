@@ -39,7 +39,7 @@ from kvgate.admission_service.tool_parsers import ToolCallFormat
 from kvgate.kafka_connection import KafkaConnection, NonEmptySecret, SettingsError, read_secret
 from kvgate.protocol import topics
 from kvgate.protocol.admin import ExecutorSpec
-from kvgate.protocol.records import BATCH_PRIORITY
+from kvgate.protocol.records import BATCH_PRIORITY, TokenRecords
 from kvgate.protocol.tenants import TenantsSettings
 from kvgate.scheduler.config import Policy, SchedulerConfig
 from kvgate.web.guard import HttpLimits
@@ -59,14 +59,6 @@ class ExactlyOnce(StrEnum):
     AUTO = "auto"
     ON = "on"
     OFF = "off"
-
-
-class TokenRecords(StrEnum):
-    """How the token stream writes: a record per step and topic partition (``TokenChunks``),
-    or a record per token (``TokenChunk``), for consumers written before the batches."""
-
-    PER_STEP = "per_step"
-    PER_TOKEN = "per_token"
 
 
 class IsolationLevel(StrEnum):

@@ -93,8 +93,8 @@ class TokenStream:
         self._on_failed = on_failed
         self._per_token = per_token
         self._max_record_bytes = max_record_bytes
-        # (request partition, target, chunk)
-        self._queue: deque[tuple[int, StreamTarget, TokenChunk]] = deque()
+        # (request partition, targets, chunk)
+        self._queue: deque[tuple[int, Sequence[StreamTarget], TokenChunk]] = deque()
         self._wake = asyncio.Event()
         self._stopping = False
         self._producer: AIOKafkaProducer | None = None
@@ -105,7 +105,7 @@ class TokenStream:
 
     def put(self, partition: int, targets: Sequence[StreamTarget], chunk: TokenChunk) -> None:
         """Queue ``chunk`` (of a request read from ``partition``) for each of ``targets``."""
-        self._queue.extend((partition, target, chunk) for target in targets)
+        self._queue.append((partition, targets, chunk))
         self._wake.set()
 
     def stop_soon(self) -> None:
@@ -126,8 +126,9 @@ class TokenStream:
         while self._queue:
             groups: dict[tuple[int, StreamTarget], list[TokenChunk]] = {}
             while self._queue:
-                partition, target, chunk = self._queue.popleft()
-                groups.setdefault((partition, target), []).append(chunk)
+                partition, targets, chunk = self._queue.popleft()
+                for target in targets:
+                    groups.setdefault((partition, target), []).append(chunk)
             for (partition, target), chunks in groups.items():
                 if target.reply and not await self._routes.routable(
                     producer, target.topic, target.partition

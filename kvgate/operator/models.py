@@ -38,6 +38,7 @@ from kvgate.protocol.enums import (
     SaslMechanism,
     SecurityProtocol,
 )
+from kvgate.protocol.records import TokenRecords
 from kvgate.protocol.tenants import TenantsSettings
 from kvgate.scheduler.config import SchedulerConfig
 
@@ -291,6 +292,8 @@ class KafkaSpec(_Spec):
     # Whether the admission service creates missing topics when it starts (with its own
     # partition and replication defaults). Off: topics are the Kafka administrator's.
     create_topics: bool = False
+    # The token stream's records (the service's kafka.token_records); unset: its default.
+    token_records: TokenRecords | None = None
 
 
 class TelemetrySpec(_Spec):

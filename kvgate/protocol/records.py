@@ -398,6 +398,14 @@ class TokenChunk(_Message):
     top_logprobs: list[TokenLogprob] | None = None
 
 
+class TokenRecords(StrEnum):
+    """How a token stream is written: a record per step and topic partition (``TokenChunks``),
+    or a record per token (``TokenChunk``), for consumers written before the batches."""
+
+    PER_STEP = "per_step"
+    PER_TOKEN = "per_token"
+
+
 class TokenChunks(_Message):
     """One record of the token stream: the chunks one step made for one topic partition (of
     several requests, each request's in order), instead of a record per token."""

@@ -19,7 +19,7 @@ from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import PartitionLedger
 from kvgate.admission_service.outbox import Outbox
 from kvgate.admission_service.replies import ReplyRoutes
-from kvgate.admission_service.settings import KafkaSettings, TokenRecords
+from kvgate.admission_service.settings import KafkaSettings
 from kvgate.admission_service.token_stream import StreamTarget, TokenStream
 from kvgate.protocol.records import (
     REPLY_KIND_HEADER,
@@ -32,6 +32,7 @@ from kvgate.protocol.records import (
     Timings,
     TokenChunk,
     TokenLogprob,
+    TokenRecords,
     Usage,
     token_chunks_of,
 )

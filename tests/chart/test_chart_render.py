@@ -134,7 +134,7 @@ def test_one_executorpool_crd_shared_with_the_operator_tests() -> None:
 # pool it returns, so a default here would show the field to an operator older than it (the
 # one still running during an upgrade, or one rolled back to), which refuses unknown fields:
 # every pool would turn InvalidSpec. The operator's model supplies the default instead.
-ADDED_FIELDS = [("kafka", "createTopics"), ("tenants",)]
+ADDED_FIELDS = [("kafka", "createTopics"), ("kafka", "tokenRecords"), ("tenants",)]
 
 
 def test_fields_added_later_have_no_schema_default() -> None:

@@ -50,6 +50,7 @@ FULL_SPEC: dict[str, Any] = {
         "topics": {"tokens": "kvgate.tokens"},
         "groupId": "kvgate-prod",
         "createTopics": True,
+        "tokenRecords": "per_token",
         "security": {
             "protocol": "SASL_SSL",
             "sasl": {

@@ -269,6 +269,7 @@ def test_admission_config_file_contents() -> None:
         "group_id": "kvgate-prod",
         "security_protocol": "SASL_SSL",
         "create_topics": True,
+        "token_records": "per_token",
         "sasl_mechanism": "SCRAM-SHA-512",
         "sasl_username": "kvgate",
         "sasl_password_file": "/var/run/kvgate/kafka-sasl/password",
@@ -350,6 +351,7 @@ def test_admission_config_defaults_and_no_secrets_inline() -> None:
     # Written even when off: the admission service's own default is to create topics.
     assert config["kafka"]["create_topics"] is False
     assert "token_topic" not in config["kafka"] and "sasl_username" not in config["kafka"]
+    assert "token_records" not in config["kafka"], "the service's default, the file unchanged"
     assert config["scheduler"] == {}
     # No tenants section unless the pool sets one: a pool's file (and hash) stays as it was.
     assert "tenants" not in config

@@ -67,6 +67,8 @@ def _kafka_config(pool: PoolRef, kafka: KafkaSpec) -> dict[str, Any]:
     }
     if topics.tokens is not None:
         config["token_topic"] = topics.tokens
+    if kafka.token_records is not None:  # only when set: other pools' files stay as they were
+        config["token_records"] = kafka.token_records.value
     sasl = kafka.security.sasl
     if sasl is not None:
         config["sasl_mechanism"] = sasl.mechanism.value
