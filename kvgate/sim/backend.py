@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from typing import Annotated
 
@@ -120,7 +121,9 @@ class SimBackend:
         self.executor = config.build()
         self.fence = fence or EpochFence()
         self.steps = 0
-        self.plan_traceparents: list[str | None] = []  # per executed plan, for tracing tests
+        # The last plans' traceparents, for tracing tests (bounded: a sim-executor runs for
+        # hours in benchmarks).
+        self.plan_traceparents: deque[str | None] = deque(maxlen=4096)
         self._current: LocalSession | None = None
         self._held = False
         self._hold_at_step: int | None = None
