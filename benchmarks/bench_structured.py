@@ -104,7 +104,7 @@ def _trial(loaded: LoadedModel, *, batch: int, steps: int, constrained: bool, tr
         decode = wire.DecodeRows(request_ids=ids, positions=[None] * batch, depths=[None] * batch)
         result = executor.execute(wire.StepPlan(step_id=step + 2, decode=decode))
         assert result.error is None, result.error
-        tokens += len(result.tokens)
+        tokens += len(result.sampled_tokens())
         step_s += result.timings.execute_s
     return Trial(tokens, step_s, executor.structured.fill_s, executor.structured.exposed_s)
 

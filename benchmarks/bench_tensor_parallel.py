@@ -92,7 +92,7 @@ def _drive(
         times.append(time.perf_counter() - began)
         if result.error is not None:
             raise SystemExit(f"step {plan.step_id}: {result.error.message}")
-        tokens.append([t.token_id for t in result.tokens])
+        tokens.append([t.token_id for t in result.sampled_tokens()])
     return {"prefill_s": times[0], "decode_s": times[1:], "tokens": tokens}
 
 

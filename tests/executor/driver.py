@@ -309,7 +309,7 @@ class Driver:
     # ---------------------------------------------------------------------------- results
 
     def _apply(self, plan: wire.StepPlan, result: wire.StepResult) -> None:
-        for token in result.tokens:
+        for token in result.sampled_tokens():
             req = self.reqs[token.request_id]
             expected_position = len(req.new.prompt_token_ids) + len(req.outputs)
             assert token.position == expected_position, (token, expected_position)

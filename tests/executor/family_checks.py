@@ -91,7 +91,7 @@ def assert_logprobs_close(written: Written, loaded: LoadedModel | Path) -> None:
         expected = torch.log_softmax(_hf_logits(written, prompt + outputs[:-1]), dim=-1)
         got: dict[int, list[tuple[int, float]]] = {}
         for result in driver.results:
-            for token in result.tokens:
+            for token in result.sampled_tokens():
                 if token.request_id == rid:
                     got[token.position] = _top(token.top_logprobs)
             for chunk in result.prompt_logprobs:
@@ -135,7 +135,7 @@ def watched_bits(loaded: LoadedModel, prompts: list[list[int]], schedule: str) -
     return [
         (token.token_id, token.logprob, [(t.token_id, t.logprob) for t in token.top_logprobs or []])
         for result in driver.results
-        for token in result.tokens
+        for token in result.sampled_tokens()
         if token.request_id == "watched"
     ]
 

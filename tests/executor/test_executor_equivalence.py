@@ -161,8 +161,8 @@ def test_fill_after_a_shared_cached_prefix(family_model: LoadedModel) -> None:
         decode = wire.DecodeRows(request_ids=["second"], positions=[None], depths=[None])
         result = ex.execute(wire.StepPlan(step_id=step, decode=decode))
         assert result.error is None
-        tokens += [t.token_id for t in result.tokens]
-        depths += [t.exit_depth for t in result.tokens]
+        tokens += [t.token_id for t in result.sampled_tokens()]
+        depths += [t.exit_depth for t in result.sampled_tokens()]
         step += 1
     assert (tokens, depths) == reference_outputs(family_model, [(second, 1)])["second"]
 

@@ -118,7 +118,7 @@ def _finish(s: Session) -> dict[str, tuple[list[int], list[int]]]:
             )
         ],
     ):
-        for token in s.run(prefill_rows=rows).tokens:
+        for token in s.run(prefill_rows=rows).sampled_tokens():
             tokens[token.request_id].append(token)
     live = {"a", "b"}
     for _ in range(200):
@@ -131,7 +131,7 @@ def _finish(s: Session) -> dict[str, tuple[list[int], list[int]]]:
                 request_ids=sorted(live), positions=[None] * len(live), depths=[None] * len(live)
             ),
         )
-        for token in result.tokens:
+        for token in result.sampled_tokens():
             tokens[token.request_id].append(token)
         live -= set(result.skipped_request_ids)
     return {

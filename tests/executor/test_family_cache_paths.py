@@ -47,7 +47,7 @@ def _fill(ex: Executor, step: int, request: wire.NewRequest, tables: list[int], 
         )
     )
     assert result.error is None, result.error
-    return result.tokens[0].token_id
+    return result.sampled_tokens()[0].token_id
 
 
 @pytest.mark.parametrize("name", GROUP)
@@ -69,7 +69,7 @@ def test_a_fill_after_a_cached_prefix_longer_than_the_window(
         decode = wire.DecodeRows(request_ids=["second"], positions=[None], depths=[None])
         result = ex.execute(wire.StepPlan(step_id=step, decode=decode))
         assert result.error is None, result.error
-        tokens += [t.token_id for t in result.tokens]
+        tokens += [t.token_id for t in result.sampled_tokens()]
         step += 1
     assert tokens == full_forward_greedy(checkpoint.model, second.prompt_token_ids, MAX_TOKENS)
 

@@ -115,7 +115,7 @@ def _sim_outputs(sampling: SamplingParams, eos_token_id: int | None) -> list[int
             prefill_rows=[fill],
         )
     )
-    outputs = [token.token_id for token in result.tokens]
+    outputs = [token.token_id for token in result.sampled_tokens()]
     for step_id in range(2, STREAM_LEN + 1):
         # Position and depth left to the executor, as an async plan does.
         decode = DecodeRows(request_ids=[RID], positions=[None], depths=[None])
@@ -123,7 +123,7 @@ def _sim_outputs(sampling: SamplingParams, eos_token_id: int | None) -> list[int
         assert result.error is None, result.error
         if result.skipped_request_ids == [RID]:
             break
-        outputs.extend(token.token_id for token in result.tokens)
+        outputs.extend(token.token_id for token in result.sampled_tokens())
     return outputs
 
 

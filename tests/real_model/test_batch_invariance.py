@@ -89,7 +89,7 @@ def _run(loaded: LoadedModel, schedule: str, watched: tuple[str, ...] = WATCHED)
         assert driver.mixed_steps > 0, "no step mixed prefill and decode rows"
     tokens: Watched = {rid: [] for rid in watched}
     for result in driver.results:
-        for token in result.tokens:
+        for token in result.sampled_tokens():
             if token.request_id in tokens:
                 alternatives = [(t.token_id, t.logprob) for t in token.top_logprobs or []]
                 tokens[token.request_id].append((token.token_id, token.logprob, alternatives))

@@ -267,7 +267,7 @@ def test_the_executor_process_serves_a_gguf_file(tiny_dir: Path, tmp_path: Path)
             request_id="r", prompt_token_ids=[1, 2, 3], sampling=wire.SamplingParams(max_tokens=1)
         )
         expected = reference_generate(load_model(tiny_dir).model, request).output_token_ids
-        assert [t.token_id for t in result.tokens] == expected
+        assert [t.token_id for t in result.sampled_tokens()] == expected
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:

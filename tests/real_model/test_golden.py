@@ -220,7 +220,7 @@ def test_logprobs_match_transformers_log_softmax(
     executor = Executor(kvgate_smollm2, num_blocks=16, block_size=16)
     driver = Driver(executor, [(request, 1)], DriverConfig(chunk_size=16))
     driver.run()
-    tokens = [t for result in driver.results for t in result.tokens]
+    tokens = [t for result in driver.results for t in result.sampled_tokens()]
     assert [t.token_id for t in tokens] == hf_greedy["chat-0"][:4]
     sequence = prompt + [t.token_id for t in tokens]
     with torch.no_grad():

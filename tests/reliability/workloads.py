@@ -120,13 +120,13 @@ def sim_reference(bodies: list[dict[str, Any]], config: SimExecutorConfig) -> di
                 ],
             )
         )  # fmt: skip
-        tokens = list(result.tokens)
+        tokens = list(result.sampled_tokens())
         while not _finished(tokens, sampling, eos):
             step += 1
             decode = wire.DecodeRows(request_ids=[rid], positions=[None], depths=[None])
             result = executor.execute(wire.StepPlan(step_id=step, decode=decode))
             assert result.error is None, result.error
-            tokens.extend(result.tokens)
+            tokens.extend(result.sampled_tokens())
         step += 1
         executor.execute(wire.StepPlan(step_id=step, free=[rid]))
         out[rid] = ([t.token_id for t in tokens], [t.exit_depth for t in tokens])

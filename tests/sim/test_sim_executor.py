@@ -107,7 +107,7 @@ def _start(executor: SimExecutor) -> None:
         ],
     )
     result = executor.execute(plan)
-    assert result.error is None and len(result.tokens) == 1
+    assert result.error is None and len(result.sampled_tokens()) == 1
 
 
 @pytest.mark.parametrize(

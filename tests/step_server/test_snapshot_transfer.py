@@ -146,7 +146,7 @@ def _run(backend: SimBackend, step: int, **fields: object) -> wire.StepResult:
 def _decode(backend: SimBackend, step: int) -> int:
     result = _run(backend, step, decode=wire.DecodeRows(request_ids=["q"], positions=[None],
                                                         depths=[None]))  # fmt: skip
-    return result.tokens[0].token_id
+    return result.sampled_tokens()[0].token_id
 
 
 def _start_request(backend: SimBackend) -> list[int]:
@@ -160,7 +160,7 @@ def _start_request(backend: SimBackend) -> list[int]:
         prefill_rows=[wire.PrefillRow(request_id="q", token_start=0, token_end=7, depth_first=1,
                                       depth_last=1, completes_fill=True)],
     )  # fmt: skip
-    return [first.tokens[0].token_id] + [_decode(backend, step) for step in (2, 3, 4)]
+    return [first.sampled_tokens()[0].token_id] + [_decode(backend, step) for step in (2, 3, 4)]
 
 
 def _export(sender: SimBackend) -> None:
