@@ -38,6 +38,7 @@ from kvgate.operator.naming import (
     LABEL_REVISION,
     LABEL_SLOT,
 )
+from kvgate.protocol.records import TokenRecords
 from kvgate.telemetry.setup import exporter_names
 from tests.operator.cluster import pool_manifest
 from tests.operator.examples import FULL_SPEC
@@ -478,3 +479,15 @@ def test_pods_name_themselves_in_their_telemetry_resource(
     assert attributes["kvgate.pool"] == POOL.name
     # And the kvgate setup reading that environment picks the gRPC exporter.
     assert exporter_names(env) == ["otlp_proto_grpc"]
+
+
+def test_the_pools_token_records_reach_the_service() -> None:
+    """``spec.kafka.tokenRecords`` is read by the service's own settings as the pool set it;
+    unset, the service's default (a record per step) holds and the file is as it was."""
+    full = parse_spec(POOL.name, FULL_SPEC)
+    rendered = build_admission_configmap(POOL, full)["data"][CONFIG_KEY]
+    assert load_settings(None, yaml.safe_load(rendered)).kafka.token_records is (
+        TokenRecords.PER_TOKEN
+    )
+    plain = build_admission_configmap(POOL, spec())["data"][CONFIG_KEY]
+    assert load_settings(None, yaml.safe_load(plain)).kafka.token_records is TokenRecords.PER_STEP
