@@ -168,12 +168,15 @@ def committed_cycles(service: AdmissionService) -> float:
     return float(service.metrics.commits.labels(outcome="committed")._value.get())
 
 
+@pytest.mark.parametrize("records", ["per_step", "per_token"])
 async def test_the_first_token_reaches_the_client_before_any_commit_cycle(
-    pool: Pool, gateway: Gateway, http: aiohttp.ClientSession
+    pool: Pool, gateway: Gateway, http: aiohttp.ClientSession, records: str
 ) -> None:
+    """With either form of token records (``per_token``: a service writing as before the
+    per-step records)."""
     backend = pool.connector.backends["a"]
     backend.hold_after(3)  # the request cannot finish before the test says so
-    service = await pool.service(commit_interval_ms=NEVER_MS)
+    service = await pool.service(commit_interval_ms=NEVER_MS, token_records=records)
     try:
         answer = await stream(http, gateway, max_tokens=8)
         first = await answer.next_text()
