@@ -452,6 +452,9 @@ class StepResult(_Frozen):
         as columns; in 1 as objects, and without the ``sampled`` key (a version-1 reader
         refuses a key it does not know, even a null one)."""
         if version < 2:
+            if self.sampled is not None:
+                objects = self.model_copy(update={"tokens": self.sampled_tokens(), "sampled": None})
+                return objects.model_dump_json(exclude={"sampled"})
             return self.model_dump_json(exclude={"sampled"})
         if self.sampled is not None or not self.tokens:
             return self.model_dump_json()

@@ -32,11 +32,12 @@ from kvgate.protocol.step import (
     ExecutorCounters,
     ExecutorInfo,
     NewRequest,
-    SampledToken,
+    SampledTokens,
     StepError,
     StepPlan,
     StepResult,
     TokenLogprob,
+    TokenRow,
 )
 from kvgate.protocol.stopping import StopRule
 from kvgate.sim.hashing import mix, text_hash
@@ -273,7 +274,7 @@ class SimExecutor:
             tables = self._requests[append.request_id].tables
             for plane, block_ids in enumerate(append.new_block_ids):
                 tables[plane].extend(block_ids)
-        tokens: list[SampledToken] = []
+        tokens: list[TokenRow] = []
         for row in plan.prefill_rows:
             token = self._prefill(
                 self._requests[row.request_id],
@@ -307,7 +308,7 @@ class SimExecutor:
         )
         return StepResult(
             step_id=plan.step_id,
-            tokens=tokens,
+            sampled=_columns(tokens) if tokens else None,
             decode=outcomes,
             skipped_request_ids=skipped,
             counters=self.counters,
@@ -469,7 +470,7 @@ class SimExecutor:
             return self.num_planes
         return request.exit_depths[position - prompt_len + 1]
 
-    def _sample(self, request: _SimRequest, value: int, position: int, depth: int) -> SampledToken:
+    def _sample(self, request: _SimRequest, value: int, position: int, depth: int) -> TokenRow:
         seed = request.new.sampling.seed or 0
         token = mix(value, seed, position) % self.model.vocab_size
         request.outputs.append(token)
@@ -478,22 +479,11 @@ class SimExecutor:
             request.finished = True
         sampling = request.new.sampling
         if sampling.logprobs is None:
-            return SampledToken(
-                request_id=request.new.request_id,
-                position=position,
-                token_id=token,
-                exit_depth=depth,
-            )
+            return request.new.request_id, position, token, depth, None, None
         # No model: a made-up log-probability that names the position it belongs to.
         logprob = -position / 1000
-        return SampledToken(
-            request_id=request.new.request_id,
-            position=position,
-            token_id=token,
-            exit_depth=depth,
-            logprob=logprob,
-            top_logprobs=[TokenLogprob(token_id=token, logprob=logprob)][: sampling.logprobs],
-        )
+        top = [TokenLogprob(token_id=token, logprob=logprob)][: sampling.logprobs]
+        return request.new.request_id, position, token, depth, logprob, top
 
     def _prefill(
         self,
@@ -503,7 +493,7 @@ class SimExecutor:
         depth_first: int,
         depth_last: int,
         completes: bool,
-    ) -> SampledToken | None:
+    ) -> TokenRow | None:
         if end > request.fill_length:
             raise SimulationError(f"{request.new.request_id}: row past the fill [{start},{end})")
         self._advance_fill(request, start, end, depth_first, depth_last)
@@ -527,7 +517,7 @@ class SimExecutor:
             return None
         token = self._sample(request, last_value, end, self.num_planes)
         request.cursor_position = end
-        request.cursor_token = token.token_id
+        request.cursor_token = token[2]
         return token
 
     def _advance_fill(
@@ -555,7 +545,7 @@ class SimExecutor:
         bottom = min(loops.min_loops, top)
         return bottom + mix(self.model.seed, request.rid_hash, position) % (top - bottom + 1)
 
-    def _decode_pass(self, request: _SimRequest) -> tuple[int, int, SampledToken | None]:
+    def _decode_pass(self, request: _SimRequest) -> tuple[int, int, TokenRow | None]:
         position = request.cursor_position
         depth = request.depth_done + 1
         value = self._pass(request, position, depth)
@@ -565,9 +555,19 @@ class SimExecutor:
         self._copy_deeper(request, position, depth, value)
         token = self._sample(request, value, position + 1, depth)
         request.cursor_position = position + 1
-        request.cursor_token = token.token_id
+        request.cursor_token = token[2]
         request.depth_done = 0
         return position, depth, token
+
+
+def _columns(rows: list[TokenRow]) -> SampledTokens:
+    """A step's sampled tokens as the columns a result carries (no object per token)."""
+    ids, positions, token_ids, depths, logprobs, tops = (list(c) for c in zip(*rows, strict=True))
+    asked = any(logprob is not None for logprob in logprobs)
+    return SampledTokens(
+        request_ids=ids, positions=positions, token_ids=token_ids, exit_depths=depths,
+        logprobs=logprobs if asked else None, top_logprobs=tops if asked else None,
+    )  # fmt: skip
 
 
 def _state_of(request: _SimRequest) -> dict[str, Any]:

@@ -57,3 +57,13 @@ def test_a_result_carries_one_form() -> None:
     columns = wire.SampledTokens.of(_tokens())
     with pytest.raises(ValidationError, match="not both"):
         wire.StepResult(step_id=1, tokens=_tokens(), sampled=columns)
+
+
+def test_a_result_made_as_columns_is_written_as_objects_for_version_1() -> None:
+    """The simulated executor makes its results as columns; a version-1 peer still gets
+    objects (and no ``sampled`` key)."""
+    columns = wire.StepResult(step_id=2, sampled=wire.SampledTokens.of(_tokens()))
+    v1 = json.loads(columns.to_json(1))
+    assert "sampled" not in v1
+    assert wire.StepResult.model_validate(v1).tokens == _tokens()
+    assert wire.StepResult.model_validate_json(columns.to_json(2)).sampled_tokens() == _tokens()
