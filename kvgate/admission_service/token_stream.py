@@ -61,7 +61,7 @@ OnFailed = Callable[[int, OutRecord, BaseException], None]
 
 # A step's chunks for one topic partition are split into records of at most about this many
 # bytes (Kafka's default limits are 1 MiB a record; 250 chunks with 20 top logprobs each take
-# about 150 kB).
+# about 250 kB, one record).
 MAX_RECORD_BYTES: Final = 256 * 1024
 _TOKENS_HEADERS: Final = reply_headers(REPLY_KIND_TOKENS)
 # The record says its schema version once; its chunks leave theirs out (about 19 of 102 bytes).
