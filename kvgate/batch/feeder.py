@@ -62,12 +62,12 @@ from kvgate.batch.topics import ensure_batch_topics
 from kvgate.gateway.settings import ModelRoute
 from kvgate.kafka_connection import KafkaConnection, client_options
 from kvgate.protocol.records import (
-    REPLY_KIND_HEADER,
     REPLY_KIND_RESULT,
     AbortRequest,
     InferenceRequest,
     InferenceResult,
     ReplyTo,
+    reply_kind,
 )
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class ReplyReader:
             batch = await consumer.getmany(self._tp, timeout_ms=500)
             for message in batch.get(self._tp, ()):
                 self.position = message.offset + 1
-                kind = dict(message.headers).get(REPLY_KIND_HEADER)
+                kind = reply_kind(message.headers)
                 if message.value is None or kind != REPLY_KIND_RESULT:
                     continue
                 try:

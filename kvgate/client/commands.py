@@ -38,9 +38,9 @@ from kvgate.client.first_copies import FirstCopies
 from kvgate.kafka_connection import SettingsError, client_options
 from kvgate.protocol import topics
 from kvgate.protocol.records import (
-    REPLY_KIND_HEADER,
     REPLY_KIND_TOKENS,
     TRACEPARENT_HEADER,
+    reply_kind,
     token_chunks_of,
 )
 from kvgate.telemetry.context import traceparent_of
@@ -240,7 +240,7 @@ def run_results(args: argparse.Namespace) -> int:
 def _values(headers: Sequence[tuple[str, bytes]], value: bytes) -> list[bytes]:
     """What one record prints: a line per token chunk of a record of a step's chunks (header
     ``kvgate-reply-kind: tokens``), else the value as it is."""
-    kind = next((v for name, v in headers if name == REPLY_KIND_HEADER), None)
+    kind = reply_kind(headers)
     if kind != REPLY_KIND_TOKENS:
         return [value]
     try:

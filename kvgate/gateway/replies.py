@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,6 @@ from pydantic import ValidationError
 from kvgate.gateway.settings import GatewaySettings
 from kvgate.kafka_connection import client_options
 from kvgate.protocol.records import (
-    REPLY_KIND_HEADER,
     REPLY_KIND_RESULT,
     TOKEN_KINDS,
     AbortRequest,
@@ -63,14 +62,11 @@ from kvgate.protocol.records import (
     InferenceResult,
     ReplyTo,
     TokenChunk,
+    reply_kind,
     token_chunks_of,
 )
 
 log = logging.getLogger(__name__)
-
-
-def _kind(headers: Sequence[tuple[str, bytes]]) -> bytes | None:
-    return next((value for name, value in headers if name == REPLY_KIND_HEADER), None)
 
 
 @dataclass(eq=False)
@@ -222,7 +218,7 @@ class ReplyBridge:
                 batch = await consumer.getmany(timeout_ms=1000)
                 for messages in batch.values():
                     for message in messages:
-                        kind = _kind(message.headers)
+                        kind = reply_kind(message.headers)
                         if message.value is not None and kind in kinds:
                             self._on_reply(kind, message.value)
         except asyncio.CancelledError:

@@ -10,6 +10,7 @@ Topics, keys and headers: :mod:`kvgate.protocol.topics`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Final, Literal
 
@@ -422,6 +423,11 @@ REPLY_KIND_RESULT: Final = b"result"  # an InferenceResult
 REPLY_KIND_TOKEN: Final = b"token"  # a TokenChunk (one token: a service's per_token records)
 REPLY_KIND_TOKENS: Final = b"tokens"  # a TokenChunks (a step's tokens; on the token topic too)
 TOKEN_KINDS: Final = frozenset({REPLY_KIND_TOKEN, REPLY_KIND_TOKENS})
+
+
+def reply_kind(headers: Iterable[tuple[str, bytes]]) -> bytes | None:
+    """A record's ``REPLY_KIND_HEADER`` value (None without one)."""
+    return next((value for name, value in headers if name == REPLY_KIND_HEADER), None)
 
 
 def token_chunks_of(kind: bytes | None, value: bytes) -> list[TokenChunk]:

@@ -16,11 +16,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from kvgate.protocol.records import (
-    REPLY_KIND_HEADER,
     TOKEN_KINDS,
     DeadLetter,
     InferenceResult,
     TokenChunk,
+    reply_kind,
     token_chunks_of,
 )
 
@@ -151,7 +151,7 @@ async def read_token_chunks(
     each; ``request_id``'s only when given."""
 
     def chunks_of(record: Any) -> list[tuple[int, TokenChunk]]:
-        kind = next((v for name, v in record.headers if name == REPLY_KIND_HEADER), None)
+        kind = reply_kind(record.headers)
         if kind is not None and kind not in TOKEN_KINDS:
             return []
         return [
