@@ -2,12 +2,15 @@
 
 A GGUF file (or a directory holding one as ``model.gguf``) loads with its block formats kept as
 stored under ``dtype="auto"``; a stated dtype (``float32``) dequantizes every weight into it.
+An AWQ, GPTQ or FP8 checkpoint's projections likewise stay as stored under ``auto`` where
+Triton's kernels run them (CUDA), and are dequantized when read elsewhere or into a stated dtype.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -17,9 +20,12 @@ import torch
 from kvgate.executor.config import CheckpointError, load_config
 from kvgate.executor.gguf_checkpoint import GGUF_IN_DIRECTORY, is_gguf, read_gguf_checkpoint
 from kvgate.executor.model import Model, assemble_weights
+from kvgate.executor.quantized import Weight, weight_nbytes
 from kvgate.executor.tensor_parallel.layers import TensorParallel
+from kvgate.executor.tensor_parallel.shards import ShardPlan
 from kvgate.executor.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
-from kvgate.executor.weights import read_checkpoint
+from kvgate.executor.weights import read_checkpoint, read_checkpoint_packed
+from kvgate.kernels.dispatch import Backend, select_backend
 from kvgate.protocol.enums import AUTO_DTYPE, DType
 from kvgate.protocol.tokenizer_files import TokenizerFiles
 
@@ -83,14 +89,24 @@ def load_model(
     local_config = config if shard is None else shard.local_config(config)
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, config.torch_dtype)
-    tensors = read_checkpoint(path, config, torch_dtype, torch_device, shard)
-    if config.weight_only is not None:
+    tensors: Mapping[str, Weight]
+    if config.weight_only is not None and _keeps_packed(dtype, torch_device, shard):
+        tensors = read_checkpoint_packed(path, config, torch_dtype, torch_device)
         log.info(
-            "%s: dequantized to %s when read (%.1f MB of weights in memory)",
+            "%s: kept as stored, run by Triton's dequantize-in-the-GEMM kernels (%.1f MB of "
+            "weights in memory)",
             config.weight_only.describe(),
-            torch_dtype,
-            sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
+            sum(weight_nbytes(t) for t in tensors.values()) / 1e6,
         )
+    else:
+        tensors = read_checkpoint(path, config, torch_dtype, torch_device, shard)
+        if config.weight_only is not None:
+            log.info(
+                "%s: dequantized to %s when read (%.1f MB of weights in memory)",
+                config.weight_only.describe(),
+                torch_dtype,
+                sum(weight_nbytes(t) for t in tensors.values()) / 1e6,
+            )
     tokenizer = load_tokenizer(path)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(
@@ -99,6 +115,13 @@ def load_model(
     weights = assemble_weights(local_config, tensors)
     model = Model(local_config, weights, parallel=parallel, batch_invariant=batch_invariant)
     return LoadedModel(model, tokenizer, path, _directory_tokenizer_files(path))
+
+
+def _keeps_packed(dtype: DTypeChoice, device: torch.device, shard: ShardPlan | None) -> bool:
+    """Whether a weight-only checkpoint stays as stored: ``auto`` dtype (a stated one
+    dequantizes into it, as for GGUF), read whole, on a device whose Triton kernels read the
+    layouts (CUDA; CPU only under the Triton interpreter: no CPU kernel reads them)."""
+    return dtype == AUTO_DTYPE and shard is None and select_backend(device) is Backend.TRITON
 
 
 def _directory_tokenizer_files(path: Path) -> TokenizerFiles | None:

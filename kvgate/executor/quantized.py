@@ -1,7 +1,10 @@
-"""Weights kept in their GGUF block formats: the matrix type, its linear layer and its embedding.
+"""Weights kept in their quantized formats: the matrix type, its linear layer and its embedding.
 
-A :class:`QuantizedWeight` is a ``[rows, cols]`` matrix held as stored in the file (uint8 blocks,
-:mod:`kvgate.kernels.quant_formats`), possibly as several row segments of different formats:
+A :class:`QuantizedWeight` is a ``[rows, cols]`` matrix held as stored in the file, as row
+segments: GGUF blocks (:class:`Segment`, uint8 blocks, :mod:`kvgate.kernels.quant_formats`) or
+one AWQ, GPTQ or FP8 projection's tensors (:class:`PackedSegment`,
+:mod:`kvgate.kernels.torch_weight_only`). A GGUF weight may have several segments of different
+formats:
 llama.cpp's mixed files store ``attn_v`` in Q6_K beside Q4_K ``attn_q``/``attn_k``, and the
 executor stacks q, k and v into one projection. Stacking never converts; a segment keeps its own
 format and the linear runs one product per segment::
@@ -17,7 +20,9 @@ Where the product runs:
   as llama.cpp does; a row's result never depends on the other rows of its batch, so the
   executor's batch-invariant mode holds with quantized weights too.
 - CUDA: Triton's dequantize-in-the-GEMM kernels (``kvgate/kernels/triton_quant.py``): float
-  activations, the weights' tiles dequantized in registers.
+  activations, the weights' tiles dequantized in registers. AWQ, GPTQ and FP8 segments run only
+  there (or under the Triton interpreter); on CPU the loader dequantizes them when it reads them
+  (``weights.read_checkpoint``), as no CPU kernel reads their layouts.
 
 The embedding looks up rows by dequantizing only the rows asked for.
 """
@@ -26,15 +31,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
+from kvgate.executor.weight_only import WeightOnlyMethod
 from kvgate.kernels.cpu import quant as cpu_quant
 from kvgate.kernels.dispatch import Backend, select_backend
 from kvgate.kernels.quant_formats import QuantFormat, check_quantized, dequantize
+from kvgate.kernels.torch_weight_only import awq_dequantize, fp8_dequantize, gptq_dequantize
 
 log = logging.getLogger("kvgate.executor")
 
@@ -50,19 +57,113 @@ class Segment:
     def rows(self) -> int:
         return int(self.data.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.data,)
+
+    def to(self, device: torch.device) -> Segment:
+        return Segment(self.fmt, self.data.to(device))
+
+    def dequantize(self, cols: int) -> torch.Tensor:
+        return dequantize(self.fmt, self.data, cols)
+
+
+@dataclass(frozen=True)
+class PackedSegment:
+    """One AWQ, GPTQ or FP8 projection ``[rows, cols]`` as its checkpoint stores it::
+
+        AWQ   packed = qweight int32 [cols, rows/8], zeros = qzeros, scales [groups, rows]
+        GPTQ  packed = qweight int32 [cols*bits/32, rows], zeros = qzeros, scales, g_idx [cols]
+        FP8   packed = weight float8_e4m3fn [rows, cols], scales float32 [1] or [rows]
+
+    (layouts: :mod:`kvgate.kernels.torch_weight_only`). Never merged with a neighbour: each
+    projection has its own groups (and, with GPTQ's act-order, its own ``g_idx``).
+    """
+
+    method: WeightOnlyMethod
+    rows: int
+    packed: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
+    bits: int = 8
+    group_size: int = 0  # AWQ/GPTQ: inputs per group (the number of inputs for one group)
+
+    @property
+    def fmt(self) -> str:
+        if self.method is WeightOnlyMethod.FP8:
+            return "FP8 e4m3"
+        return f"{self.method.upper()} int{self.bits}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        optional = (self.zeros, self.g_idx)
+        return (self.packed, self.scales, *(t for t in optional if t is not None))
+
+    def to(self, device: torch.device) -> PackedSegment:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(
+            self,
+            packed=self.packed.to(device),
+            scales=self.scales.to(device),
+            zeros=move(self.zeros),
+            g_idx=move(self.g_idx),
+        )
+
+    def dequantize(self, cols: int) -> torch.Tensor:
+        """The float32 ``[rows, cols]`` matrix (the specification the kernels are tested on)."""
+        del cols  # the stored shapes say it
+        if self.method is WeightOnlyMethod.FP8:
+            return fp8_dequantize(self.packed, self.scales)
+        assert self.zeros is not None
+        if self.method is WeightOnlyMethod.AWQ:
+            return awq_dequantize(self.packed, self.zeros, self.scales, self.group_size)
+        return gptq_dequantize(
+            self.packed, self.zeros, self.scales, self.g_idx, self.bits, self.group_size
+        )
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [n, cols] @ W.T`` in x's dtype: Triton's kernel where it runs; elsewhere the
+        dequantized matrix (correct, and slow: the loader keeps these quantized only where
+        Triton runs)."""
+        if select_backend(self.packed.device) is not Backend.TRITON:
+            return x @ self.dequantize(x.shape[1]).to(x.dtype).T
+        from kvgate.kernels import triton_quant  # noqa: PLC0415  (Triton: on use)
+
+        if self.method is WeightOnlyMethod.FP8:
+            return triton_quant.fp8_matmul(x, self.packed, self.scales)
+        assert self.zeros is not None
+        if self.method is WeightOnlyMethod.AWQ:
+            return triton_quant.awq_matmul(x, self.packed, self.zeros, self.scales, self.group_size)
+        return triton_quant.gptq_matmul(
+            x, self.packed, self.zeros, self.scales, self.g_idx, self.bits, self.group_size
+        )
+
+
+AnySegment = Segment | PackedSegment
+
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A ``[rows, cols]`` matrix as row segments of GGUF blocks (see the module docstring)."""
+    """A ``[rows, cols]`` matrix as row segments (see the module docstring)."""
 
-    segments: tuple[Segment, ...]
+    segments: tuple[AnySegment, ...]
     cols: int
 
     def __post_init__(self) -> None:
         if not self.segments:
             raise ValueError("a quantized weight has at least one segment")
         for segment in self.segments:
-            check_quantized(segment.fmt, segment.data, self.cols)
+            if isinstance(segment, Segment):
+                check_quantized(segment.fmt, segment.data, self.cols)
 
     @classmethod
     def of(cls, fmt: QuantFormat, data: torch.Tensor, cols: int) -> QuantizedWeight:
@@ -78,40 +179,39 @@ class QuantizedWeight:
 
     @property
     def device(self) -> torch.device:
-        return self.segments[0].data.device
+        return self.segments[0].tensors()[0].device
 
     @property
     def nbytes(self) -> int:
-        return sum(s.data.numel() for s in self.segments)
+        return sum(s.nbytes for s in self.segments)
 
     @property
-    def formats(self) -> tuple[QuantFormat, ...]:
-        return tuple(dict.fromkeys(s.fmt for s in self.segments))
+    def formats(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(str(s.fmt) for s in self.segments))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix ``[rows, cols]`` (tests and references; never on the serving path)."""
-        parts = [dequantize(s.fmt, s.data, self.cols) for s in self.segments]
+        parts = [s.dequantize(self.cols) for s in self.segments]
         return torch.cat(parts).to(dtype)
+
+    def _gguf(self, what: str) -> Segment:
+        if len(self.segments) != 1 or not isinstance(self.segments[0], Segment):
+            raise ValueError(f"{what} works on a single-segment GGUF weight")
+        return self.segments[0]
 
     def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Rows ``index`` (int64), in that order: a row is whole blocks, so it moves as bytes.
         One segment only (the reader permutes tensors before they are stacked)."""
-        if len(self.segments) != 1:
-            raise ValueError("take_rows works on a single-segment weight")
-        segment = self.segments[0]
+        segment = self._gguf("take_rows")
         return QuantizedWeight.of(segment.fmt, segment.data[index].contiguous(), self.cols)
 
     def lookup(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``token_ids`` (int64 ``[n]``) dequantized: ``[n, cols]`` (the embedding)."""
-        if len(self.segments) != 1:
-            raise ValueError("an embedding is one segment")
-        segment = self.segments[0]
+        segment = self._gguf("an embedding")
         return dequantize(segment.fmt, segment.data[token_ids], self.cols).to(dtype)
 
     def to(self, device: torch.device) -> QuantizedWeight:
-        return QuantizedWeight(
-            tuple(Segment(s.fmt, s.data.to(device)) for s in self.segments), self.cols
-        )
+        return QuantizedWeight(tuple(s.to(device) for s in self.segments), self.cols)
 
 
 Weight = torch.Tensor | QuantizedWeight
@@ -127,10 +227,11 @@ def stack_rows(parts: Sequence[Weight]) -> Weight:
     quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len({p.cols for p in quantized}) != 1:
         raise ValueError("stacked weights must have the same number of columns")
-    merged: list[Segment] = []
+    merged: list[AnySegment] = []
     for segment in (s for p in quantized for s in p.segments):
-        if merged and merged[-1].fmt is segment.fmt:
-            merged[-1] = Segment(segment.fmt, torch.cat([merged[-1].data, segment.data]))
+        last = merged[-1] if merged else None
+        if isinstance(last, Segment) and isinstance(segment, Segment) and last.fmt is segment.fmt:
+            merged[-1] = Segment(segment.fmt, torch.cat([last.data, segment.data]))
         else:
             merged.append(segment)
     return QuantizedWeight(tuple(merged), quantized[0].cols)
@@ -158,8 +259,12 @@ def fingerprint_bytes(weight: Weight) -> bytes:
     """The bytes that identify a weight (what a migration compares): a quantized weight's
     blocks, a float tensor's values."""
     if isinstance(weight, QuantizedWeight):
-        return b"".join(s.data.cpu().numpy().tobytes() for s in weight.segments)
-    return weight.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        return b"".join(_raw_bytes(t) for s in weight.segments for t in s.tensors())
+    return _raw_bytes(weight)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy())
 
 
 @cache
@@ -172,8 +277,10 @@ def prepare_quant_kernel() -> cpu_quant.QuantLoadResult:
     return result
 
 
-def segment_matmul(x: torch.Tensor, segment: Segment, cols: int) -> torch.Tensor:
+def segment_matmul(x: torch.Tensor, segment: AnySegment, cols: int) -> torch.Tensor:
     """``x [n, cols] @ segment.T`` on the tensors' device, in x's dtype."""
+    if isinstance(segment, PackedSegment):
+        return segment.matmul(x)
     if select_backend(segment.data.device) is Backend.TRITON:
         from kvgate.kernels.triton_quant import gguf_matmul  # noqa: PLC0415  (Triton: on use)
 
@@ -224,7 +331,9 @@ def embedding(weight: Weight, dtype: torch.dtype) -> QuantizedEmbedding | DenseE
 
 
 __all__ = [
+    "AnySegment",
     "DenseEmbedding",
+    "PackedSegment",
     "QuantizedEmbedding",
     "QuantizedLinear",
     "QuantizedWeight",

@@ -13,11 +13,14 @@ fused ones) stored as the method's tensors in place of ``weight`` (layouts:
 Embeddings, norms, biases and ``lm_head`` are float, as these tools write them; a projection a
 config lists in ``modules_to_not_convert`` (AWQ) is float too.
 
-Where they run: every projection is dequantized when the checkpoint is read (on the device it is
-loaded to), so the layers run the float weights of the executor's dtype — the answers of the
-quantized model, at the float model's memory. Keeping them quantized in memory (the Triton
-dequantize-in-the-GEMM kernels of :mod:`kvgate.kernels.triton_quant` cover these layouts) is not
-wired into the layers yet.
+Where they run: under ``--dtype auto``, on a device where Triton's dequantize-in-the-GEMM
+kernels (:mod:`kvgate.kernels.triton_quant`) run, every projection stays as stored
+(``quantized.PackedSegment``: the weights take the file's memory) and those kernels multiply by
+it; elsewhere (CPU, where no kernel reads these layouts) or with a stated dtype, every
+projection is dequantized when the checkpoint is read, and the layers run the float weights of
+the executor's dtype: the answers of the quantized model, at the float model's memory.
+Measured on an H200 (docs/benchmarks.md): the kernels are slower than cuBLAS on the dequantized
+bf16 weights, so ``--dtype bfloat16`` trades memory for speed.
 
 What is refused, by name: other methods (compressed-tensors, bitsandbytes, ...), AWQ's GEMV
 layout and AWQ without zero points, GPTQ of other widths than 4 and 8 bits or in the v2 format,
@@ -145,11 +148,16 @@ class WeightOnly(BaseModel):
         if self.method is WeightOnlyMethod.AWQ:
             return awq_dequantize(get("qweight"), get("qzeros"), get("scales"), group)
         g_idx = get("g_idx")
-        if int(g_idx.min()) < 0 or int(g_idx.max()) >= get("scales").shape[0]:
-            raise WeightOnlyError(f"{module}.g_idx names groups the checkpoint does not have")
+        self.check_group_index(module, g_idx, get("scales").shape[0])
         return gptq_dequantize(
             get("qweight"), get("qzeros"), get("scales"), g_idx, self.bits, group
         )
+
+    @staticmethod
+    def check_group_index(module: str, g_idx: torch.Tensor, groups: int) -> None:
+        """GPTQ's ``g_idx`` names only groups the checkpoint has scales for."""
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise WeightOnlyError(f"{module}.g_idx names groups the checkpoint does not have")
 
 
 def _refuse(key: str, value: Any, served: str) -> WeightOnlyError:

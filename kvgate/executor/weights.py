@@ -16,8 +16,9 @@ from safetensors import safe_open
 from kvgate.executor.architecture import QkNorm
 from kvgate.executor.config import CheckpointError, ModelConfig
 from kvgate.executor.moe_config import moe_tensor_shapes
+from kvgate.executor.quantized import PackedSegment, QuantizedWeight, Weight
 from kvgate.executor.tensor_parallel.shards import ShardPlan
-from kvgate.executor.weight_only import WeightOnlyError
+from kvgate.executor.weight_only import WeightOnlyError, WeightOnlyMethod
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -152,6 +153,51 @@ def stored_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict
     return shapes, owners
 
 
+def _by_module(owners: dict[str, str]) -> dict[str, list[str]]:
+    by_module: dict[str, list[str]] = {}
+    for name, module in owners.items():
+        by_module.setdefault(module, []).append(name)
+    return by_module
+
+
+def _packed(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], owners: dict[str, str]
+) -> dict[str, Weight]:
+    """``tensors`` with every quantized projection's stored tensors replaced by its ``weight``
+    as a :class:`PackedSegment` (checked as :func:`_dequantized` checks them)."""
+    scheme = config.weight_only
+    assert scheme is not None
+    logical = expected_shapes(config)
+    out: dict[str, Weight] = dict(tensors)
+    for module, names in _by_module(owners).items():
+        rows, cols = logical[f"{module}.weight"]
+
+        def get(suffix: str, module: str = module) -> torch.Tensor:
+            return tensors[f"{module}.{suffix}"]
+
+        try:
+            if scheme.method is WeightOnlyMethod.FP8:
+                segment = PackedSegment(
+                    scheme.method, rows, get("weight"), get("weight_scale").float().reshape(-1)
+                )
+            else:
+                group = scheme.group_size or cols
+                g_idx = None
+                if scheme.method is WeightOnlyMethod.GPTQ:
+                    g_idx = get("g_idx")
+                    scheme.check_group_index(module, g_idx, get("scales").shape[0])
+                segment = PackedSegment(
+                    scheme.method, rows, get("qweight"), get("scales"), get("qzeros"), g_idx,
+                    bits=scheme.bits, group_size=group,
+                )  # fmt: skip
+        except WeightOnlyError as exc:
+            raise CheckpointError(str(exc)) from None
+        for name in names:
+            del out[name]
+        out[f"{module}.weight"] = QuantizedWeight((segment,), cols)
+    return out
+
+
 def _dequantized(
     config: ModelConfig,
     tensors: dict[str, torch.Tensor],
@@ -162,10 +208,7 @@ def _dequantized(
     ``weight`` in ``dtype``."""
     assert config.weight_only is not None
     logical = expected_shapes(config)
-    by_module: dict[str, list[str]] = {}
-    for name, module in owners.items():
-        by_module.setdefault(module, []).append(name)
-    for module, names in by_module.items():
+    for module, names in _by_module(owners).items():
         rows, cols = logical[f"{module}.weight"]
         try:
             weight = config.weight_only.dequantize(module, tensors, rows, cols)
@@ -218,7 +261,8 @@ def read_checkpoint(
     device: torch.device,
     shard: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor, checked against ``config``, as ``dtype`` on ``device``.
+    """Every checkpoint tensor, checked against ``config``, as ``dtype`` on ``device``; a
+    weight-only checkpoint's projections dequantized into ``dtype``.
 
     With ``shard``, only this rank's slice of each tensor is read from the file (safetensors
     reads slices without loading the rest), under the tensor's own name.
@@ -228,6 +272,33 @@ def read_checkpoint(
             f"{config.weight_only.describe()} are read whole: tensor-parallel loading of a "
             "weight-only quantized checkpoint is not supported"
         )
+    tensors, owners = _read_stored(model_dir, config, dtype, device, shard)
+    if owners:
+        return _dequantized(config, tensors, owners, dtype)
+    return tensors if shard is None else pad_vocab_shards(tensors, shard, config)
+
+
+def read_checkpoint_packed(
+    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, Weight]:
+    """As :func:`read_checkpoint` for a weight-only checkpoint, its projections kept as stored:
+    each a :class:`QuantizedWeight` of one :class:`PackedSegment` (for devices where Triton's
+    kernels read them)."""
+    if config.weight_only is None:
+        raise ValueError("read_checkpoint_packed reads weight-only quantized checkpoints")
+    tensors, owners = _read_stored(model_dir, config, dtype, device, None)
+    return _packed(config, tensors, owners)
+
+
+def _read_stored(
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: ShardPlan | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every stored tensor, checked; float ones as ``dtype``, a weight-only method's as stored.
+    Also: each stored tensor of a quantized projection -> its module."""
     shapes, owners = stored_shapes(config)
     scheme = config.weight_only
     shards = {n: f for n, f in _shard_map(model_dir).items() if not n.endswith(_IGNORED_SUFFIXES)}
@@ -280,9 +351,7 @@ def read_checkpoint(
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"tensor {name} has non-float dtype {tensor.dtype}")
                 tensors[name] = tensor.to(device=device, dtype=dtype)
-    if owners:
-        return _dequantized(config, tensors, owners, dtype)
-    return tensors if shard is None else pad_vocab_shards(tensors, shard, config)
+    return tensors, owners
 
 
 def pad_vocab_shards(

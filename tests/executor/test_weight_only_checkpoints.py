@@ -12,7 +12,10 @@ are refused by name.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,8 @@ from safetensors.torch import save_file
 
 from kvgate.executor.config import CheckpointError, load_config
 from kvgate.executor.loader import load_model
-from kvgate.executor.weights import read_checkpoint
+from kvgate.executor.quantized import PackedSegment, QuantizedWeight, weight_nbytes
+from kvgate.executor.weights import read_checkpoint, read_checkpoint_packed
 from tests.executor.family_checks import assert_logprobs_close
 from tests.executor.hf_checkpoints import (
     PROMPTS,
@@ -295,3 +299,61 @@ def test_a_tensor_parallel_read_is_refused(written: dict[str, Written]) -> None:
         read_checkpoint(
             case.model_dir, config, torch.float32, torch.device("cpu"), cast(ShardPlan, object())
         )
+
+
+def test_the_packed_read_keeps_what_the_file_stores(written: dict[str, Written]) -> None:
+    """Where Triton runs them, projections stay as stored: one PackedSegment each, which
+    dequantizes to the float read bit for bit, and the weights take no more memory than the
+    file (embeddings and norms are float there too)."""
+    for name, case in written.items():
+        config = load_config(case.model_dir)
+        cpu = torch.device("cpu")
+        packed = read_checkpoint_packed(case.model_dir, config, torch.float32, cpu)
+        floats = read_checkpoint(case.model_dir, config, torch.float32, cpu)
+        assert packed.keys() == floats.keys(), name
+        for key, weight in packed.items():
+            if key.rsplit(".", 2)[-2] in PROJECTIONS:
+                assert isinstance(weight, QuantizedWeight), key
+                (segment,) = weight.segments
+                assert isinstance(segment, PackedSegment), key
+                assert torch.equal(weight.dequantize(), floats[key]), f"{name}: {key}"
+            else:
+                assert isinstance(weight, torch.Tensor), key
+        file_bytes = (case.model_dir / "model.safetensors").stat().st_size
+        assert sum(weight_nbytes(w) for w in packed.values()) <= file_bytes, name
+
+
+_INTERPRETED_RUN = """
+import json, sys
+from kvgate.executor.loader import load_model
+from kvgate.executor.quantized import PackedSegment, QuantizedWeight
+from tests.executor.hf_checkpoints import PROMPTS, kvgate_greedy
+
+out = {}
+for model_dir in sys.argv[1:]:
+    loaded = load_model(model_dir)
+    o_proj = loaded.model.weights.layers[0].o_proj
+    packed = isinstance(o_proj, QuantizedWeight) and isinstance(o_proj.segments[0], PackedSegment)
+    out[model_dir] = {"packed": packed, "greedy": kvgate_greedy(loaded, PROMPTS[:2])}
+print(json.dumps(out))
+"""
+
+
+def test_kept_as_stored_the_triton_kernels_give_transformers_greedy_ids(
+    written: dict[str, Written],
+) -> None:
+    """The executor with AWQ, GPTQ (act-order) and FP8 projections kept as stored and run by
+    the Triton dequantize-in-the-GEMM kernels (interpreted on this CPU, in a process of its own:
+    Triton fixes its mode at import) answers as transformers does on the weights stored."""
+    names = ["awq", "gptq-4bit-act-order", "fp8-per-row"]
+    dirs = [str(written[n].model_dir) for n in names]
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(Path.cwd())}
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_RUN, *dirs],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, model_dir in zip(names, dirs, strict=True):
+        assert got[model_dir]["packed"], name
+        assert got[model_dir]["greedy"] == written[name].greedy_ids[:2], name
