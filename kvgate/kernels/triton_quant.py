@@ -54,8 +54,24 @@ _AWQ, _GPTQ, _FP8 = 6, 7, 8
 class QuantGemmConfig:
     block_m: int = 16
     block_n: int = 32
-    block_k: int = 32  # a divisor of every GGUF block (32 values) and of the groups
+    block_k: int = 32  # any power of two: every element finds its own block and group
     num_warps: int = 4
+    num_stages: int | None = None  # software pipelining depth; None: Triton's default
+
+    @classmethod
+    def for_rows(cls, m: int, dtype: torch.dtype) -> QuantGemmConfig:
+        """The tiling for ``m`` rows of 16-bit activations, from the sweep on an H200
+        (``benchmarks/bench_quant_kernels.py --sweep``, docs/benchmarks.md): few rows take
+        longer K steps, pipelined (1.4-1.5x the plain 16x32x32 tile at M 1-16); many rows
+        take 128x64 tiles on 8 warps (4.5x at M 256, 16x at M 1024). float32 (IEEE dots, and
+        the Triton interpreter) keeps the plain tile."""
+        if dtype == torch.float32:
+            return cls()
+        if m <= 16:
+            return cls(block_k=64, num_stages=3)
+        if m < 128:
+            return cls(block_m=64, block_n=64, block_k=64, num_stages=3)
+        return cls(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -217,7 +233,7 @@ def _launch(
         raise ValueError(f"x must be 2-D with contiguous rows, got {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    cfg = config or QuantGemmConfig()
+    cfg = config or QuantGemmConfig.for_rows(x.shape[0], x.dtype)
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -233,6 +249,7 @@ def _launch(
         FORMAT=fmt_code, BITS=bits, IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
+        **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )  # fmt: skip
     return out
 
