@@ -3,16 +3,20 @@ by memory fraction, CUDA-event kernel timing, pinned host snapshots."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvgate.executor.executor import Executor
-from kvgate.executor.loader import load_model
+from kvgate.executor.loader import LoadedModel, load_model
+from kvgate.executor.quantized import PackedSegment, QuantizedWeight
+from kvgate.executor.reference import reference_logits
 from kvgate.protocol import step as wire
 from kvgate.protocol.enums import DType
 from tests.executor.driver import Driver, DriverConfig
+from tests.executor.hf_checkpoints import PROMPTS, kvgate_greedy
 from tests.executor.workloads import mixed_requests, reference_outputs
 
 pytestmark = pytest.mark.gpu
@@ -86,3 +90,111 @@ def test_the_sampler_draws_on_the_device_without_waiting_for_it() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.is_cuda
     assert tokens.tolist() == sample_each(logits, rows)
+
+
+WEIGHT_ONLY = ["awq", "gptq-4bit-act-order", "gptq-8bit", "fp8-per-row", "fp8-per-tensor"]
+
+
+def _set_config_dtype(model_dir: Path, dtype: str) -> None:
+    config_file = model_dir / "config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"dtype": dtype}))
+
+
+def _packed_on_cuda(loaded: LoadedModel) -> bool:
+    o_proj = loaded.model.weights.layers[0].o_proj
+    return (
+        isinstance(o_proj, QuantizedWeight)
+        and isinstance(o_proj.segments[0], PackedSegment)
+        and o_proj.segments[0].packed.is_cuda
+    )
+
+
+# float32 activations, IEEE dots in the kernels and in cuBLAS: summation order only.
+FLOAT32_REL_BOUND = 1e-5
+
+
+@pytest.mark.parametrize("name", WEIGHT_ONLY)
+def test_weight_only_kept_as_stored_matches_the_dequantized_model(
+    tmp_path: Path, name: str
+) -> None:
+    """AWQ, GPTQ and FP8 projections stay as stored on the GPU and the compiled
+    dequantize-in-the-GEMM kernels run them: logits within float32 rounding of the same
+    checkpoint dequantized when read (cuBLAS on the float weights), and the same greedy ids
+    from the paged executor."""
+    from tests.executor.test_weight_only_checkpoints import _write
+
+    case = _write(name, tmp_path / name)
+    _set_config_dtype(case.model_dir, "float32")  # auto on CUDA is the config's dtype
+    packed = load_model(case.model_dir, device="cuda")
+    assert _packed_on_cuda(packed)
+    assert packed.model.weights.norm.dtype == torch.float32
+    dequantized = load_model(case.model_dir, device="cuda", dtype=DType.FLOAT32)
+    assert not _packed_on_cuda(dequantized)
+    for prompt, greedy in zip(case.prompts, case.greedy_ids, strict=True):
+        tokens = prompt + greedy
+        error = _relative_error(
+            reference_logits(packed.model, tokens, len(prompt)),
+            reference_logits(dequantized.model, tokens, len(prompt)),
+        )
+        assert error < FLOAT32_REL_BOUND, error
+    answers = kvgate_greedy(packed)
+    assert answers == kvgate_greedy(dequantized)
+    agree = sum(
+        a == b
+        for ours, hf in zip(answers, case.greedy_ids, strict=True)
+        for a, b in zip(ours, hf, strict=True)
+    )
+    print(f"{name}: {agree} of {sum(map(len, answers))} greedy ids equal transformers' on the CPU")
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+# bf16 activations against the float32 model: the rounding of bf16 (8 bits of mantissa) through
+# three layers and the logits; a misplaced nibble or group measures order 1.
+HALF_REL_BOUND = 3e-2
+
+
+def test_weight_only_in_bfloat16_is_close_to_the_float32_model(tmp_path: Path) -> None:
+    """A checkpoint whose config says bfloat16 runs the kernels with bf16 activations, close to
+    the same weights dequantized and run in float32."""
+    from tests.executor.test_weight_only_checkpoints import _write
+
+    case = _write("awq", tmp_path / "awq")
+    _set_config_dtype(case.model_dir, "bfloat16")
+    packed = load_model(case.model_dir, device="cuda")
+    assert _packed_on_cuda(packed)
+    assert packed.model.weights.norm.dtype == torch.bfloat16
+    float32 = load_model(case.model_dir, device="cuda", dtype=DType.FLOAT32)
+    assert not _packed_on_cuda(float32)
+    tokens = PROMPTS[1]
+    error = _relative_error(
+        reference_logits(packed.model, tokens, 8), reference_logits(float32.model, tokens, 8)
+    )
+    assert error < HALF_REL_BOUND, error
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_run_on_cuda_close_to_the_float32_model(tmp_path: Path, kind: str) -> None:
+    """A GGUF file's blocks stay as stored on the GPU (``auto``: bf16 activations) and the
+    compiled kernels run them: logits close to the file dequantized to float32 on the GPU, and
+    the paged executor runs its requests to the end with them."""
+    import gguf
+
+    from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
+    from tests.real_model.gguf_writer import write_llama_gguf
+
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=96, vocab_size=273, seed=3)
+    model_dir = make_tiny_model(tmp_path / "hf", spec)
+    path = write_llama_gguf(tmp_path / "tiny.gguf", model_dir, kind=gguf.GGMLQuantizationType[kind])
+    quantized = load_model(path, device="cuda")
+    assert isinstance(quantized.model.weights.layers[0].o_proj, QuantizedWeight)
+    dequantized = load_model(path, device="cuda", dtype=DType.FLOAT32)
+    tokens = [5, 60, 7, 200, 11, 90, 3, 41, 17]
+    error = _relative_error(
+        reference_logits(quantized.model, tokens, 5), reference_logits(dequantized.model, tokens, 5)
+    )
+    assert error < HALF_REL_BOUND, error
+    answers = kvgate_greedy(quantized, [tokens[:4], tokens], max_tokens=6)
+    assert [len(a) for a in answers] == [6, 6]
