@@ -105,7 +105,7 @@ def test_compiled_kernel_equals_the_reference_bit_for_bit(
     try:
         for cols in widths:
             data = random_blocks(fmt, 37, cols, seed=4)
-            for n in (1, 3, 4, 9):
+            for n in (1, 3, 4, 9, 13, 17):
                 x = torch.randn(n, cols, generator=generator) * 3
                 x[0, :40] = 0.0  # an all-zero activation block (scale 0)
                 ours = cpu_quant.quantized_matmul(x, fmt, data, cols, compiled=True)

@@ -17,9 +17,11 @@
 // bits) or 128 (|Q8_0|, the sign moved to the activation), activations at most 127 in size.
 //
 // Tiling: threads split the rows of W (at::parallel_for, torch's intra-op threads); a thread
-// decodes one row's scales once, then runs it against x four rows at a time (one 128-bit float
-// accumulator per tile, four int32 partial-sum vectors reduced by a tree of horizontal adds),
-// and the last n % 4 rows one at a time (no padding rows computed: batch-1 decode is all of it).
+// decodes one row's scales once, then runs it against x four rows at a time (four int32
+// partial-sum vectors reduced by one tree of horizontal adds), and the last n % 4 rows of x
+// against four rows of W at a time (the same: four vectors, one tree; four independent float
+// sums), the rows of W left over one by one. No padding rows are computed: batch-1 decode is
+// all lone rows.
 //
 // Shapes:
 //   matmul     x [n, k] float32 (rows contiguous); data [rows, k / block * bytes] uint8;
@@ -49,6 +51,8 @@ namespace {
 enum class Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
 constexpr int64_t kTile = 4;  // rows of x per tile
+constexpr int kWTile = 4;     // rows of W per tile of a lone row of x
+constexpr int64_t kTile8 = 8; // rows of x per tile of transposed activations (blocks of 32)
 
 struct Layout {
   int64_t values;
@@ -87,6 +91,10 @@ struct Activations {
   std::vector<float> sa;       // [k / 32][rows_padded]: d * sum32 (blocks of 32 only)
   std::vector<int16_t> rsum16; // [rows_padded][k / 16]: sum of q per 16, row-major
   std::vector<int16_t> rsum32; // [rows_padded][k / 32]
+  // Blocks of 32 only, the first n / 8 * 8 rows: tiles of eight rows with each block's values
+  // in groups of four, the eight rows' groups side by side ([tile][k / 4][row][4]), so one
+  // 32-byte load is a group of four values of eight rows.
+  std::vector<int8_t> qt;
 };
 
 Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int64_t block) {
@@ -129,6 +137,13 @@ Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int6
       }
     }
   });
+  const int64_t tiled8 = block == 32 ? n / kTile8 * kTile8 : 0;
+  a.qt.resize(tiled8 * k);
+  for (int64_t r = 0; r < tiled8; ++r) {
+    const int8_t* q = a.q.data() + r * k;
+    int8_t* tile = a.qt.data() + (r / kTile8) * kTile8 * k + (r % kTile8) * 4;
+    for (int64_t g = 0; g < k / 4; ++g) std::memcpy(tile + g * kTile8 * 4, q + g * 4, 4);
+  }
   return a;
 }
 
@@ -281,28 +296,35 @@ inline void block32_ints(Format f, const uint8_t* blk, const Activations& a, int
   }
 }
 
+// Chunk c (0..3) of a Q4_K/Q5_K super-block: its 64 values as 32 low nibbles and 32 high ones,
+// the fifth bit (Q5_K) put in place.
+inline void k45_chunk(Format f, const uint8_t* blk, int c, __m256i& low, __m256i& high) {
+  const __m256i packed = load32(blk + (f == Format::Q4_K ? 16 : 48) + 32 * c);
+  low = low_nibbles(packed);
+  high = high_nibbles(packed);
+  if (f == Format::Q5_K) {  // the fifth bit: bit 2c (low) and 2c + 1 (high) of qh
+    const __m256i qh = load32(blk + 16);
+    const __m256i bit_low = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+    const __m256i bit_high = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    low = _mm256_or_si256(low, _mm256_and_si256(
+        _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_low), bit_low), sixteen));
+    high = _mm256_or_si256(high, _mm256_and_si256(
+        _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_high), bit_high), sixteen));
+  }
+}
+
 // Q4_K / Q5_K super-block: isum[t] = sum_j sc_j sum q qa, imin[t] = sum_j m_j sum qa.
 template <int T>
 inline void k45_ints(Format f, const uint8_t* blk, const int16_t* sc, const int16_t* mins,
                      const Activations& a, int64_t m0, int64_t b, int32_t* isum, int32_t* imin) {
   const int64_t k = a.k;
   const int8_t* q0 = a.q.data() + m0 * k + b * 256;
-  const uint8_t* qs = blk + (f == Format::Q4_K ? 16 : 48);
   __m256i acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_si256();
-  const __m256i qh = f == Format::Q5_K ? load32(blk + 16) : _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) {
-    const __m256i packed = load32(qs + 32 * c);
-    __m256i low = low_nibbles(packed), high = high_nibbles(packed);
-    if (f == Format::Q5_K) {  // the fifth bit: bit 2c (low) and 2c + 1 (high) of qh
-      const __m256i bit_low = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
-      const __m256i bit_high = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
-      const __m256i sixteen = _mm256_set1_epi8(16);
-      low = _mm256_or_si256(low, _mm256_and_si256(
-          _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_low), bit_low), sixteen));
-      high = _mm256_or_si256(high, _mm256_and_si256(
-          _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_high), bit_high), sixteen));
-    }
+    __m256i low, high;
+    k45_chunk(f, blk, c, low, high);
     const __m256i sc_low = scale_vector(sc[2 * c], sc[2 * c]);
     const __m256i sc_high = scale_vector(sc[2 * c + 1], sc[2 * c + 1]);
     for (int t = 0; t < T; ++t) {
@@ -327,6 +349,16 @@ inline __m256i q6_high(__m256i qh, int s) {
   return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
 }
 
+// Half h (0, 1) of a Q6_K super-block: four groups of 32 values 0..63.
+inline void q6k_groups(const uint8_t* blk, int h, __m256i* groups) {
+  const __m256i ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
+  const __m256i qh = load32(blk + 128 + 32 * h);
+  groups[0] = _mm256_or_si256(low_nibbles(ql0), q6_high(qh, 0));
+  groups[1] = _mm256_or_si256(low_nibbles(ql1), q6_high(qh, 2));
+  groups[2] = _mm256_or_si256(high_nibbles(ql0), q6_high(qh, 4));
+  groups[3] = _mm256_or_si256(high_nibbles(ql1), q6_high(qh, 6));
+}
+
 // Q6_K super-block: isum[t] = sum_j sc_j sum (q - 32) qa.
 template <int T>
 inline void q6k_ints(const uint8_t* blk, const int16_t* sc, const Activations& a, int64_t m0,
@@ -336,14 +368,8 @@ inline void q6k_ints(const uint8_t* blk, const int16_t* sc, const Activations& a
   __m256i acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {
-    const __m256i ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
-    const __m256i qh = load32(blk + 128 + 32 * h);
-    const __m256i groups[4] = {
-        _mm256_or_si256(low_nibbles(ql0), q6_high(qh, 0)),
-        _mm256_or_si256(low_nibbles(ql1), q6_high(qh, 2)),
-        _mm256_or_si256(high_nibbles(ql0), q6_high(qh, 4)),
-        _mm256_or_si256(high_nibbles(ql1), q6_high(qh, 6)),
-    };
+    __m256i groups[4];
+    q6k_groups(blk, h, groups);
     for (int g = 0; g < 4; ++g) {
       const int j = 8 * h + 2 * g;  // the group's two 16-value sub-blocks: j, j + 1
       const __m256i scale = scale_vector(sc[j], sc[j + 1]);
@@ -363,6 +389,155 @@ inline void q6k_ints(const uint8_t* blk, const int16_t* sc, const Activations& a
   int32_t correction[T];  // sum_j sc_j sum qa
   hsum_store<T>(cp, correction);
   for (int t = 0; t < T; ++t) isum[t] -= correction[t] * 32;
+}
+
+// --------------------------------------- blocks of 32, one row of W against 8 rows of x
+// A block's 32 weights are broadcast four at a time against the same four values of eight rows
+// of x (the transposed tile, Activations::qt), so each of eight int32 lanes ends up holding one
+// row's whole block sum: no horizontal sums, and the float steps of eight rows are the eight
+// lanes of one 256-bit operation each (the same expression per row as tile_product: the same
+// bits).
+
+#if defined(KVGATE_QUANT_VNNI)
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#else
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, dot_u8s8(u, s));
+}
+#endif
+
+// The block's 32 weights as bytes (Q4: 0..15 in value order; Q8_0: signed), for broadcasts.
+inline void block32_bytes(Format f, const uint8_t* blk, uint8_t* out) {
+  if (f == Format::Q8_0) {
+    std::memcpy(out, blk + 2, 32);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        unpack_q4(blk + (f == Format::Q4_0 ? 2 : 4)));
+  }
+}
+
+void tile8_product(Format f, const uint8_t* row, int64_t bytes, const Activations& a,
+                   const RowScales& s, int64_t nb, int64_t m0, float* out) {
+  const int64_t np = a.rows_padded;
+  const int8_t* tile = a.qt.data() + m0 * a.k;
+  alignas(32) uint8_t w[32];
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    block32_bytes(f, row + b * bytes, w);
+    const int8_t* xb = tile + b * 32 * kTile8;
+    __m256i isum = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      int32_t four;
+      std::memcpy(&four, w + 4 * g, 4);
+      const __m256i wg = _mm256_set1_epi32(four);
+      const __m256i xg = load32(xb + g * 4 * kTile8);
+      if (f == Format::Q8_0) {
+        isum = dot_acc(isum, _mm256_sign_epi8(wg, wg), _mm256_sign_epi8(xg, wg));
+      } else {
+        isum = dot_acc(isum, wg, xg);
+      }
+    }
+    if (f == Format::Q4_0) {
+      const __m256i sum = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(&a.sum32[b * np + m0]));
+      isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sum, 3));  // sum (q - 8) qa
+    }
+    const __m256 da = _mm256_loadu_ps(&a.d[b * np + m0]);
+    const __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(s.d[b]), da),
+                                      _mm256_cvtepi32_ps(isum));
+    if (f == Format::Q4_1) {
+      const __m256 sa = _mm256_loadu_ps(&a.sa[b * np + m0]);
+      acc = _mm256_add_ps(acc, _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(s.m[b]), sa)));
+    } else {
+      acc = _mm256_add_ps(acc, term);
+    }
+  }
+  _mm256_storeu_ps(out, acc);
+}
+constexpr bool kHasTile8 = true;
+
+
+// ------------------------------------------- integer sums of one block, 4 rows of W, 1 of x
+// Rows j = 0..3 of W (block b at rows[j] + off) against row m of x: the same integers as the
+// one-row functions above (integer sums are exact in any order), with one reduction tree
+// (hsum4) for the four instead of one per row: what a lone decode row runs.
+
+inline __m128i block32_ints_w4(Format f, const uint8_t* const* rows, int64_t off,
+                               const Activations& a, int64_t m, int64_t b) {
+  const __m256i x = load32(a.q.data() + m * a.k + b * 32);
+  __m256i p[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t* blk = rows[j] + off;
+    if (f == Format::Q8_0) {
+      const __m256i w = load32(blk + 2);
+      p[j] = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    } else {
+      p[j] = dot_u8s8(unpack_q4(blk + (f == Format::Q4_0 ? 2 : 4)), x);
+    }
+  }
+  const __m128i isum = hsum4(p[0], p[1], p[2], p[3]);
+  if (f != Format::Q4_0) return isum;
+  return _mm_sub_epi32(isum, _mm_set1_epi32(a.sum32[b * a.rows_padded + m] * 8));
+}
+
+inline __m128i k45_ints_w4(Format f, const uint8_t* const* rows, int64_t off,
+                           const RowScales* s, const Activations& a, int64_t m, int64_t b,
+                           __m128i& imin) {
+  const int8_t* q = a.q.data() + m * a.k + b * 256;
+  __m256i acc[4];
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t* blk = rows[j] + off;
+    const int16_t* sc = &s[j].sc[b * 16];
+    acc[j] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i low, high;
+      k45_chunk(f, blk, c, low, high);
+      acc[j] = _mm256_add_epi32(
+          acc[j], scaled_dot(low, load32(q + 64 * c), scale_vector(sc[2 * c], sc[2 * c])));
+      acc[j] = _mm256_add_epi32(acc[j], scaled_dot(high, load32(q + 64 * c + 32),
+                                                   scale_vector(sc[2 * c + 1], sc[2 * c + 1])));
+    }
+  }
+  const __m128i r = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(a.rsum32.data() + m * (a.k / 32) + b * 8));
+  __m128i mp[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&s[j].mins[b * 8]));
+    mp[j] = _mm_madd_epi16(mins, r);
+  }
+  imin = hsum4_128(mp[0], mp[1], mp[2], mp[3]);
+  return hsum4(acc[0], acc[1], acc[2], acc[3]);
+}
+
+inline __m128i q6k_ints_w4(const uint8_t* const* rows, int64_t off, const RowScales* s,
+                           const Activations& a, int64_t m, int64_t b) {
+  const int8_t* q = a.q.data() + m * a.k + b * 256;
+  __m256i acc[4], cp[4];
+  const __m256i r = load32(a.rsum16.data() + m * (a.k / 16) + b * 16);
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t* blk = rows[j] + off;
+    const int16_t* sc = &s[j].sc[b * 16];
+    acc[j] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      __m256i groups[4];
+      q6k_groups(blk, h, groups);
+      for (int g = 0; g < 4; ++g) {
+        const int i = 8 * h + 2 * g;
+        acc[j] = _mm256_add_epi32(acc[j], scaled_dot(groups[g], load32(q + 128 * h + 32 * g),
+                                                     scale_vector(sc[i], sc[i + 1])));
+      }
+    }
+    cp[j] = _mm256_madd_epi16(load32(sc), r);
+  }
+  const __m128i correction = hsum4(cp[0], cp[1], cp[2], cp[3]);  // sum_j sc_j sum qa
+  return _mm_sub_epi32(hsum4(acc[0], acc[1], acc[2], acc[3]),
+                       _mm_mullo_epi32(correction, _mm_set1_epi32(32)));
 }
 
 #else  // scalar: the same integers
@@ -440,6 +615,28 @@ inline void q6k_ints(const uint8_t* blk, const int16_t* sc, const Activations& a
   }
 }
 
+inline void block32_ints_w4(Format f, const uint8_t* const* rows, int64_t off,
+                            const Activations& a, int64_t m, int64_t b, int32_t* isum) {
+  for (int j = 0; j < 4; ++j) block32_ints<1>(f, rows[j] + off, a, m, b, &isum[j]);
+}
+
+constexpr bool kHasTile8 = false;  // no transposed tiles: four-row tiles only
+void tile8_product(Format, const uint8_t*, int64_t, const Activations&, const RowScales&,
+                   int64_t, int64_t, float*) {}
+
+inline void k45_ints_w4(Format f, const uint8_t* const* rows, int64_t off, const RowScales* s,
+                        const Activations& a, int64_t m, int64_t b, int32_t* isum,
+                        int32_t* imin) {
+  for (int j = 0; j < 4; ++j)
+    k45_ints<1>(f, rows[j] + off, &s[j].sc[b * 16], &s[j].mins[b * 8], a, m, b, &isum[j],
+                &imin[j]);
+}
+
+inline void q6k_ints_w4(const uint8_t* const* rows, int64_t off, const RowScales* s,
+                        const Activations& a, int64_t m, int64_t b, int32_t* isum) {
+  for (int j = 0; j < 4; ++j) q6k_ints<1>(rows[j] + off, &s[j].sc[b * 16], a, m, b, &isum[j]);
+}
+
 #endif
 
 // ------------------------------------------------------------------------------ the product
@@ -485,22 +682,145 @@ void tile_product(Format f, const uint8_t* row, int64_t bytes, const Activations
   }
 }
 
-// One row of W against x: out[m, r] for all m. Tiles of four rows while four remain, then the
-// last rows one by one (a lone decode row never pays for three rows of padding).
-void row_product(Format f, const uint8_t* row, int64_t bytes, const Activations& a,
-                 RowScales& s, float* out, int64_t n, int64_t rows, int64_t r) {
-  const int64_t nb = a.k / layout_of(f).values;
-  decode_row(f, row, nb, bytes, s);
-  int64_t m0 = 0;
-  for (; m0 + kTile <= n; m0 += kTile) {
-    float acc[kTile];
-    tile_product<kTile>(f, row, bytes, a, s, nb, m0, acc);
-    for (int t = 0; t < kTile; ++t) out[(m0 + t) * rows + r] = acc[t];
+// Rows rows[0..3] of W (scales decoded in s[0..3]) against row m of x: acc[j] for row j, the
+// same expression per row, in block order, as tile_product gives it (so the same bits): with
+// AVX2 the four rows' float steps are the four lanes of one 128-bit operation each.
+#if defined(__AVX2__)
+void wtile_product(Format f, const uint8_t* const* rows, int64_t bytes, const Activations& a,
+                   const RowScales* s, int64_t nb, int64_t m, float* out) {
+  const int64_t np = a.rows_padded;
+  thread_local std::vector<float> d4, m4;  // [block][row of W]: the rows' scales side by side
+  d4.resize(nb * kWTile);
+  m4.resize(nb * kWTile);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < kWTile; ++j) {
+      d4[b * kWTile + j] = s[j].d[b];
+      m4[b * kWTile + j] = s[j].m[b];
+    }
   }
-  for (; m0 < n; ++m0) {
-    float acc[1];
-    tile_product<1>(f, row, bytes, a, s, nb, m0, acc);
-    out[m0 * rows + r] = acc[0];
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t off = b * bytes;
+    const __m128 d = _mm_loadu_ps(&d4[b * kWTile]);
+    const __m128 da = _mm_set1_ps(a.d[b * np + m]);
+    switch (f) {
+      case Format::Q8_0:
+      case Format::Q4_0: {
+        const __m128 isum = _mm_cvtepi32_ps(block32_ints_w4(f, rows, off, a, m, b));
+        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, da), isum));
+        break;
+      }
+      case Format::Q4_1: {
+        const __m128 isum = _mm_cvtepi32_ps(block32_ints_w4(f, rows, off, a, m, b));
+        const __m128 min_term = _mm_mul_ps(_mm_loadu_ps(&m4[b * kWTile]),
+                                           _mm_set1_ps(a.sa[b * np + m]));
+        acc = _mm_add_ps(acc, _mm_add_ps(_mm_mul_ps(_mm_mul_ps(d, da), isum), min_term));
+        break;
+      }
+      case Format::Q4_K:
+      case Format::Q5_K: {
+        __m128i imin_ints;
+        const __m128 isum = _mm_cvtepi32_ps(k45_ints_w4(f, rows, off, s, a, m, b, imin_ints));
+        const __m128 dmin = _mm_mul_ps(_mm_loadu_ps(&m4[b * kWTile]), da);
+        acc = _mm_add_ps(acc, _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, da), isum),
+                                         _mm_mul_ps(dmin, _mm_cvtepi32_ps(imin_ints))));
+        break;
+      }
+      case Format::Q6_K: {
+        const __m128 isum = _mm_cvtepi32_ps(q6k_ints_w4(rows, off, s, a, m, b));
+        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, da), isum));
+        break;
+      }
+    }
+  }
+  _mm_storeu_ps(out, acc);
+}
+#else
+void wtile_product(Format f, const uint8_t* const* rows, int64_t bytes, const Activations& a,
+                   const RowScales* s, int64_t nb, int64_t m, float* acc) {
+  const int64_t np = a.rows_padded;
+  int32_t isum[kWTile], imin[kWTile];
+  for (int j = 0; j < kWTile; ++j) acc[j] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t off = b * bytes;
+    const float da = a.d[b * np + m];
+    switch (f) {
+      case Format::Q8_0:
+      case Format::Q4_0:
+        block32_ints_w4(f, rows, off, a, m, b, isum);
+        for (int j = 0; j < kWTile; ++j)
+          acc[j] = acc[j] + (s[j].d[b] * da) * static_cast<float>(isum[j]);
+        break;
+      case Format::Q4_1: {
+        block32_ints_w4(f, rows, off, a, m, b, isum);
+        const float sa = a.sa[b * np + m];
+        for (int j = 0; j < kWTile; ++j)
+          acc[j] = acc[j] + ((s[j].d[b] * da) * static_cast<float>(isum[j]) + s[j].m[b] * sa);
+        break;
+      }
+      case Format::Q4_K:
+      case Format::Q5_K:
+        k45_ints_w4(f, rows, off, s, a, m, b, isum, imin);
+        for (int j = 0; j < kWTile; ++j)
+          acc[j] = acc[j] + ((s[j].d[b] * da) * static_cast<float>(isum[j]) -
+                             (s[j].m[b] * da) * static_cast<float>(imin[j]));
+        break;
+      case Format::Q6_K:
+        q6k_ints_w4(rows, off, s, a, m, b, isum);
+        for (int j = 0; j < kWTile; ++j)
+          acc[j] = acc[j] + (s[j].d[b] * da) * static_cast<float>(isum[j]);
+        break;
+    }
+  }
+}
+#endif
+
+// Rows [begin, end) of W against x into out. The rows of x in tiles of eight (blocks of 32, with
+// AVX2) and then of four (one row of W at a time) while four remain; the last n % 4 rows of x (a lone decode row: all of it) against four
+// rows of W at a time, then the rows of W left over one by one. No padding rows are computed.
+void rows_product(Format f, const uint8_t* w, int64_t row_bytes, int64_t bytes,
+                  const Activations& a, float* out, int64_t n, int64_t rows, int64_t begin,
+                  int64_t end) {
+  const int64_t nb = a.k / layout_of(f).values;
+  const int64_t tiled8 = kHasTile8 ? static_cast<int64_t>(a.qt.size()) / a.k : 0;
+  const int64_t tiled = tiled8 + (n - tiled8) / kTile * kTile;
+  RowScales s[kWTile];
+  for (int64_t r = begin; tiled > 0 && r < end; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    decode_row(f, row, nb, bytes, s[0]);
+    for (int64_t m0 = 0; m0 < tiled8; m0 += kTile8) {
+      alignas(32) float acc[kTile8];
+      tile8_product(f, row, bytes, a, s[0], nb, m0, acc);
+      for (int t = 0; t < kTile8; ++t) out[(m0 + t) * rows + r] = acc[t];
+    }
+    for (int64_t m0 = tiled8; m0 < tiled; m0 += kTile) {
+      float acc[kTile];
+      tile_product<kTile>(f, row, bytes, a, s[0], nb, m0, acc);
+      for (int t = 0; t < kTile; ++t) out[(m0 + t) * rows + r] = acc[t];
+    }
+  }
+  if (tiled == n) return;
+  int64_t r = begin;
+  for (; r + kWTile <= end; r += kWTile) {
+    const uint8_t* four[kWTile];
+    for (int j = 0; j < kWTile; ++j) {
+      four[j] = w + (r + j) * row_bytes;
+      decode_row(f, four[j], nb, bytes, s[j]);
+    }
+    for (int64_t m = tiled; m < n; ++m) {
+      float acc[kWTile];
+      wtile_product(f, four, bytes, a, s, nb, m, acc);
+      for (int j = 0; j < kWTile; ++j) out[m * rows + r + j] = acc[j];
+    }
+  }
+  for (; r < end; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    decode_row(f, row, nb, bytes, s[0]);
+    for (int64_t m = tiled; m < n; ++m) {
+      float acc[1];
+      tile_product<1>(f, row, bytes, a, s[0], nb, m, acc);
+      out[m * rows + r] = acc[0];
+    }
   }
 }
 
@@ -526,9 +846,7 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t format, i
   // About 64k multiply-adds per task: enough to amortize a task, small enough to share.
   const int64_t grain = std::max<int64_t>(1, 65536 / (cols * ((n + kTile - 1) / kTile * kTile)));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    RowScales scales;
-    for (int64_t r = begin; r < end; ++r)
-      row_product(f, w + r * row_bytes, bytes, acts, scales, o, n, rows, r);
+    rows_product(f, w, row_bytes, bytes, acts, o, n, rows, begin, end);
   });
   return out;
 }
