@@ -17,8 +17,10 @@
 // bits) or 128 (|Q8_0|, the sign moved to the activation), activations at most 127 in size.
 //
 // Tiling: threads split the rows of W (at::parallel_for, torch's intra-op threads); a thread
-// decodes one row's scales once, then runs it against x four rows at a time (four int32
-// partial-sum vectors reduced by one tree of horizontal adds), and the last n % 4 rows of x
+// decodes one row's scales once, then runs it against x eight rows at a time (AVX2: the eight
+// rows' values transposed in groups of four, each weight group broadcast, so an int32 lane
+// holds one row's block sum), then four rows at a time (four int32 partial-sum vectors
+// reduced by one tree of horizontal adds), and the last n % 4 rows of x
 // against four rows of W at a time (the same: four vectors, one tree; four independent float
 // sums), the rows of W left over one by one. No padding rows are computed: batch-1 decode is
 // all lone rows.
@@ -91,9 +93,10 @@ struct Activations {
   std::vector<float> sa;       // [k / 32][rows_padded]: d * sum32 (blocks of 32 only)
   std::vector<int16_t> rsum16; // [rows_padded][k / 16]: sum of q per 16, row-major
   std::vector<int16_t> rsum32; // [rows_padded][k / 32]
-  // Blocks of 32 only, the first n / 8 * 8 rows: tiles of eight rows with each block's values
-  // in groups of four, the eight rows' groups side by side ([tile][k / 4][row][4]), so one
-  // 32-byte load is a group of four values of eight rows.
+  std::vector<int32_t> sum16;  // [k / 16][rows_padded]: sum of q per 16 (tiles of eight rows)
+  // The first n / 8 * 8 rows as tiles of eight rows with their values in groups of four, the
+  // eight rows' groups side by side ([tile][k / 4][row][4]), so one 32-byte load is a group of
+  // four values of eight rows.
   std::vector<int8_t> qt;
 };
 
@@ -109,6 +112,7 @@ Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int6
   a.sa.assign(k / 32 * np, 0.0f);
   a.rsum16.assign(np * (k / 16), 0);
   a.rsum32.assign(np * (k / 32), 0);
+  a.sum16.assign(k / 16 * np, 0);
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * xs;
@@ -128,6 +132,7 @@ Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int6
         int32_t s = 0;
         for (int64_t i = 0; i < 16; ++i) s += q[g * 16 + i];
         a.rsum16[r * (k / 16) + g] = static_cast<int16_t>(s);
+        a.sum16[g * np + r] = s;
       }
       for (int64_t g = 0; g < k / 32; ++g) {
         const int32_t s = a.rsum16[r * (k / 16) + 2 * g] + a.rsum16[r * (k / 16) + 2 * g + 1];
@@ -137,7 +142,7 @@ Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int6
       }
     }
   });
-  const int64_t tiled8 = block == 32 ? n / kTile8 * kTile8 : 0;
+  const int64_t tiled8 = n / kTile8 * kTile8;
   a.qt.resize(tiled8 * k);
   for (int64_t r = 0; r < tiled8; ++r) {
     const int8_t* q = a.q.data() + r * k;
@@ -391,8 +396,8 @@ inline void q6k_ints(const uint8_t* blk, const int16_t* sc, const Activations& a
   for (int t = 0; t < T; ++t) isum[t] -= correction[t] * 32;
 }
 
-// --------------------------------------- blocks of 32, one row of W against 8 rows of x
-// A block's 32 weights are broadcast four at a time against the same four values of eight rows
+// -------------------------------------------------- one row of W against 8 rows of x
+// A block's weights are broadcast four at a time against the same four values of eight rows
 // of x (the transposed tile, Activations::qt), so each of eight int32 lanes ends up holding one
 // row's whole block sum: no horizontal sums, and the float steps of eight rows are the eight
 // lanes of one 256-bit operation each (the same expression per row as tile_product: the same
@@ -422,44 +427,119 @@ inline void block32_bytes(Format f, const uint8_t* blk, uint8_t* out) {
   }
 }
 
-void tile8_product(Format f, const uint8_t* row, int64_t bytes, const Activations& a,
-                   const RowScales& s, int64_t nb, int64_t m0, float* out) {
+// sum over the 32 values w[0..32) of w * x for each of the tile's eight rows (xg: the tile's
+// groups of four for those values).
+inline __m256i dot32_tile8(Format f, const uint8_t* w, const int8_t* xg, __m256i isum) {
+  for (int g = 0; g < 8; ++g) {
+    int32_t four;
+    std::memcpy(&four, w + 4 * g, 4);
+    const __m256i wg = _mm256_set1_epi32(four);
+    const __m256i x = load32(xg + g * 4 * kTile8);
+    if (f == Format::Q8_0) {  // signed weights: their size against x with their sign
+      isum = dot_acc(isum, _mm256_sign_epi8(wg, wg), _mm256_sign_epi8(x, wg));
+    } else {
+      isum = dot_acc(isum, wg, x);
+    }
+  }
+  return isum;
+}
+
+// The sum over 16 values (four groups of four) for each of the eight rows.
+inline __m256i dot16_tile8(const uint8_t* w, const int8_t* xg) {
+  __m256i isum = _mm256_setzero_si256();
+  for (int g = 0; g < 4; ++g) {
+    int32_t four;
+    std::memcpy(&four, w + 4 * g, 4);
+    isum = dot_acc(isum, _mm256_set1_epi32(four), load32(xg + g * 4 * kTile8));
+  }
+  return isum;
+}
+
+inline __m256i load_i32x8(const int32_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// One format per instantiation (the format's branches resolved at compile time).
+template <Format f>
+void tile8_format(const uint8_t* row, int64_t bytes, const Activations& a, const RowScales& s,
+                  int64_t nb, int64_t m0, float* out) {
   const int64_t np = a.rows_padded;
+  constexpr int64_t values = f == Format::Q8_0 || f == Format::Q4_0 || f == Format::Q4_1 ? 32 : 256;
   const int8_t* tile = a.qt.data() + m0 * a.k;
-  alignas(32) uint8_t w[32];
+  alignas(32) uint8_t w[256];
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    block32_bytes(f, row + b * bytes, w);
-    const int8_t* xb = tile + b * 32 * kTile8;
-    __m256i isum = _mm256_setzero_si256();
-    for (int g = 0; g < 8; ++g) {
-      int32_t four;
-      std::memcpy(&four, w + 4 * g, 4);
-      const __m256i wg = _mm256_set1_epi32(four);
-      const __m256i xg = load32(xb + g * 4 * kTile8);
-      if (f == Format::Q8_0) {
-        isum = dot_acc(isum, _mm256_sign_epi8(wg, wg), _mm256_sign_epi8(xg, wg));
+    const uint8_t* blk = row + b * bytes;
+    const int8_t* xb = tile + b * values * kTile8;
+    const __m256 dda = _mm256_mul_ps(_mm256_set1_ps(s.d[b]), _mm256_loadu_ps(&a.d[b * np + m0]));
+    if constexpr (values == 32) {
+      block32_bytes(f, blk, w);
+      __m256i isum = dot32_tile8(f, w, xb, _mm256_setzero_si256());
+      if constexpr (f == Format::Q4_0)  // sum (q - 8) qa
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(load_i32x8(&a.sum32[b * np + m0]), 3));
+      const __m256 term = _mm256_mul_ps(dda, _mm256_cvtepi32_ps(isum));
+      if constexpr (f == Format::Q4_1) {
+        const __m256 sa = _mm256_loadu_ps(&a.sa[b * np + m0]);
+        acc = _mm256_add_ps(acc, _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(s.m[b]), sa)));
       } else {
-        isum = dot_acc(isum, wg, xg);
+        acc = _mm256_add_ps(acc, term);
       }
+      continue;
     }
-    if (f == Format::Q4_0) {
-      const __m256i sum = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(&a.sum32[b * np + m0]));
-      isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sum, 3));  // sum (q - 8) qa
-    }
-    const __m256 da = _mm256_loadu_ps(&a.d[b * np + m0]);
-    const __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(s.d[b]), da),
-                                      _mm256_cvtepi32_ps(isum));
-    if (f == Format::Q4_1) {
-      const __m256 sa = _mm256_loadu_ps(&a.sa[b * np + m0]);
-      acc = _mm256_add_ps(acc, _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(s.m[b]), sa)));
+    __m256i isum = _mm256_setzero_si256();
+    if constexpr (f == Format::Q6_K) {  // sum_j sc_j (sum q qa - 32 sum qa), sub-blocks of 16
+      for (int h = 0; h < 2; ++h) {
+        __m256i groups[4];
+        q6k_groups(blk, h, groups);
+        for (int g = 0; g < 4; ++g)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w + 128 * h + 32 * g), groups[g]);
+      }
+      const int16_t* sc = &s.sc[b * 16];
+      for (int j = 0; j < 16; ++j) {
+        const __m256i dot = _mm256_sub_epi32(
+            dot16_tile8(w + 16 * j, xb + 16 * j * kTile8),
+            _mm256_slli_epi32(load_i32x8(&a.sum16[(b * 16 + j) * np + m0]), 5));
+        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot, _mm256_set1_epi32(sc[j])));
+      }
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(dda, _mm256_cvtepi32_ps(isum)));
+      continue;
     } else {
-      acc = _mm256_add_ps(acc, term);
+    // Q4_K / Q5_K: sum_j sc_j sum q qa and sum_j m_j sum qa, sub-blocks of 32
+    for (int c = 0; c < 4; ++c) {
+      __m256i low, high;
+      k45_chunk(f, blk, c, low, high);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w + 64 * c), low);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w + 64 * c + 32), high);
+    }
+    const int16_t* sc = &s.sc[b * 16];
+    const int16_t* mins = &s.mins[b * 8];
+    __m256i imin = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i dot = dot32_tile8(f, w + 32 * j, xb + 32 * j * kTile8, _mm256_setzero_si256());
+      isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot, _mm256_set1_epi32(sc[j])));
+      imin = _mm256_add_epi32(imin, _mm256_mullo_epi32(load_i32x8(&a.sum32[(b * 8 + j) * np + m0]),
+                                                       _mm256_set1_epi32(mins[j])));
+    }
+    const __m256 dmin = _mm256_mul_ps(_mm256_set1_ps(s.m[b]), _mm256_loadu_ps(&a.d[b * np + m0]));
+    acc = _mm256_add_ps(acc, _mm256_sub_ps(_mm256_mul_ps(dda, _mm256_cvtepi32_ps(isum)),
+                                           _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(imin))));
     }
   }
   _mm256_storeu_ps(out, acc);
 }
+
+void tile8_product(Format f, const uint8_t* row, int64_t bytes, const Activations& a,
+                   const RowScales& s, int64_t nb, int64_t m0, float* out) {
+  switch (f) {
+    case Format::Q8_0: return tile8_format<Format::Q8_0>(row, bytes, a, s, nb, m0, out);
+    case Format::Q4_0: return tile8_format<Format::Q4_0>(row, bytes, a, s, nb, m0, out);
+    case Format::Q4_1: return tile8_format<Format::Q4_1>(row, bytes, a, s, nb, m0, out);
+    case Format::Q4_K: return tile8_format<Format::Q4_K>(row, bytes, a, s, nb, m0, out);
+    case Format::Q5_K: return tile8_format<Format::Q5_K>(row, bytes, a, s, nb, m0, out);
+    case Format::Q6_K: return tile8_format<Format::Q6_K>(row, bytes, a, s, nb, m0, out);
+  }
+}
+
 constexpr bool kHasTile8 = true;
 
 
