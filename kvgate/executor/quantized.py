@@ -48,10 +48,13 @@ log = logging.getLogger("kvgate.executor")
 
 @dataclass(frozen=True)
 class Segment:
-    """Consecutive rows of one format: ``data [rows, row_bytes]`` uint8."""
+    """Consecutive rows of one format: ``data [rows, row_bytes]`` uint8, as stored, or (``rows8``,
+    CPU only) the same bytes in groups of eight rows for the CPU kernel
+    (:func:`kvgate.kernels.cpu.quant.repack_rows8`)."""
 
     fmt: QuantFormat
     data: torch.Tensor
+    rows8: bool = False
 
     @property
     def rows(self) -> int:
@@ -61,14 +64,41 @@ class Segment:
     def nbytes(self) -> int:
         return int(self.data.numel())
 
+    def stored(self) -> Segment:
+        """The blocks in the file's order (what everything but the CPU kernel reads)."""
+        if not self.rows8:
+            return self
+        return Segment(self.fmt, cpu_quant.unpack_rows8(self.fmt, self.data))
+
+    def repacked(self) -> Segment:
+        """In the rows8 layout where the format has one and there is a group of eight rows."""
+        if self.rows8 or self.fmt not in cpu_quant.ROWS8_FORMATS or self.rows < 8:
+            return self
+        return Segment(self.fmt, cpu_quant.repack_rows8(self.fmt, self.data), rows8=True)
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.data,)
+        return (self.stored().data,)
 
     def to(self, device: torch.device) -> Segment:
-        return Segment(self.fmt, self.data.to(device))
+        if device.type == "cpu":
+            return Segment(self.fmt, self.data.to(device), self.rows8)
+        return Segment(self.fmt, self.stored().data.to(device))
 
     def dequantize(self, cols: int) -> torch.Tensor:
-        return dequantize(self.fmt, self.data, cols)
+        return dequantize(self.fmt, self.stored().data, cols)
+
+    def row_blocks(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (int64) as stored blocks ``[len(index), row_bytes]``."""
+        if not self.rows8:
+            return self.data[index]
+        whole = self.rows // 8 * 8
+        groups = self.data[:whole].reshape(whole // 8, -1)
+        in_group = index.clamp(max=max(whole - 1, 0))
+        unpacked = cpu_quant.unpack_rows8(
+            self.fmt, groups[in_group // 8].reshape(-1, self.data.shape[1])
+        )
+        picked = unpacked.reshape(len(index), 8, -1)[torch.arange(len(index)), in_group % 8]
+        return torch.where((index < whole).unsqueeze(1), picked, self.data[index])
 
 
 @dataclass(frozen=True)
@@ -203,12 +233,12 @@ class QuantizedWeight:
         """Rows ``index`` (int64), in that order: a row is whole blocks, so it moves as bytes.
         One segment only (the reader permutes tensors before they are stacked)."""
         segment = self._gguf("take_rows")
-        return QuantizedWeight.of(segment.fmt, segment.data[index].contiguous(), self.cols)
+        return QuantizedWeight.of(segment.fmt, segment.row_blocks(index).contiguous(), self.cols)
 
     def lookup(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``token_ids`` (int64 ``[n]``) dequantized: ``[n, cols]`` (the embedding)."""
         segment = self._gguf("an embedding")
-        return dequantize(segment.fmt, segment.data[token_ids], self.cols).to(dtype)
+        return dequantize(segment.fmt, segment.row_blocks(token_ids), self.cols).to(dtype)
 
     def to(self, device: torch.device) -> QuantizedWeight:
         return QuantizedWeight(tuple(s.to(device) for s in self.segments), self.cols)
@@ -231,10 +261,21 @@ def stack_rows(parts: Sequence[Weight]) -> Weight:
     for segment in (s for p in quantized for s in p.segments):
         last = merged[-1] if merged else None
         if isinstance(last, Segment) and isinstance(segment, Segment) and last.fmt is segment.fmt:
-            merged[-1] = Segment(segment.fmt, torch.cat([last.data, segment.data]))
+            merged[-1] = Segment(
+                segment.fmt, torch.cat([last.stored().data, segment.stored().data])
+            )
         else:
             merged.append(segment)
     return QuantizedWeight(tuple(merged), quantized[0].cols)
+
+
+def repacked_rows8(weight: Weight) -> Weight:
+    """``weight`` with its GGUF segments in the CPU kernel's rows8 layout where they have one
+    (Q8_0, Q4_0, Q4_1 with eight rows or more): the same bytes, reordered, so the same memory."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight
+    segments = tuple(s.repacked() if isinstance(s, Segment) else s for s in weight.segments)
+    return QuantizedWeight(segments, weight.cols)
 
 
 def dense(weight: Weight) -> torch.Tensor:
@@ -285,9 +326,11 @@ def segment_matmul(x: torch.Tensor, segment: AnySegment, cols: int) -> torch.Ten
         from kvgate.kernels.triton_quant import gguf_matmul  # noqa: PLC0415  (Triton: on use)
 
         return gguf_matmul(x, segment.fmt, segment.data, cols)
-    out = cpu_quant.quantized_matmul(
-        x.float(), segment.fmt, segment.data, cols, prepare_quant_kernel().compiled
-    )
+    compiled = prepare_quant_kernel().compiled
+    if segment.rows8:
+        out = cpu_quant.quantized_matmul_rows8(x.float(), segment.fmt, segment.data, cols, compiled)
+    else:
+        out = cpu_quant.quantized_matmul(x.float(), segment.fmt, segment.data, cols, compiled)
     return out.to(x.dtype)
 
 
@@ -343,6 +386,7 @@ __all__ = [
     "embedding",
     "fingerprint_bytes",
     "prepare_quant_kernel",
+    "repacked_rows8",
     "stack_rows",
     "weight_nbytes",
 ]

@@ -4,6 +4,7 @@ tied embeddings, conversion, and a one-line error for what cannot be served."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -16,10 +17,12 @@ from kvgate.admission_service.tokenizer import FileTokenizer
 from kvgate.cli import main
 from kvgate.executor.config import CheckpointError
 from kvgate.executor.loader import load_model
+from kvgate.executor.model import Model, ModelWeights
 from kvgate.executor.packaged import PACKAGED_MODEL_REF, packaged_gguf, resolve_model_ref
-from kvgate.executor.quantized import QuantizedWeight, Weight
+from kvgate.executor.quantized import QuantizedWeight, Segment, Weight, prepare_quant_kernel
 from kvgate.executor.reference import reference_generate
 from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
+from kvgate.kernels.cpu import quant as cpu_quant
 from kvgate.protocol import step as wire
 from kvgate.protocol.enums import DType
 from tests.real_model.gguf_writer import CHAT_TEMPLATE, hf_tensors, stored, write_llama_gguf
@@ -107,6 +110,61 @@ def test_tied_embeddings_have_no_output_tensor(tied_dir: Path, tmp_path: Path) -
     loaded = load_model(write_llama_gguf(tmp_path / "tied.gguf", tied_dir))
     assert loaded.model.config.tie_word_embeddings
     assert loaded.model.weights.lm_head is loaded.model.weights.embed
+
+
+def test_blocks_of_32_are_served_in_groups_of_eight_rows_on_cpu(
+    tied_dir: Path, tmp_path: Path
+) -> None:
+    """On CPU the projections and the (tied) output layer of a Q8_0 file take the kernel's
+    rows8 layout; the embedding looks its rows up through it, the weights hold the file's bytes
+    (what dequantizing and migration read), and the answers are the stored layout's."""
+    if not cpu_quant.rows8_compiled(prepare_quant_kernel()):
+        pytest.skip("the CPU kernel has no rows8 layout here (it needs AVX2 and F16C)")
+    path = write_llama_gguf(tmp_path / "tied.gguf", tied_dir, kind=gguf.GGMLQuantizationType.Q8_0)
+    loaded = load_model(path)
+    weights = loaded.model.weights
+    assert isinstance(weights.embed, QuantizedWeight) and weights.lm_head is weights.embed
+    for weight in (weights.embed, weights.layers[0].qkv_proj, weights.layers[1].o_proj):
+        assert isinstance(weight, QuantizedWeight)
+        assert all(isinstance(s, Segment) and s.rows8 for s in weight.segments)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    embedding = torch.from_numpy(
+        stored(hf_tensors(tied_dir)["model.embed_tokens.weight"].numpy(), q8)
+    )
+    ids = torch.tensor([0, 5, 7, 8, 200, weights.embed.rows - 1])
+    assert torch.equal(weights.embed.lookup(ids, torch.float32), embedding[ids])
+    assert torch.equal(weights.embed.dequantize(), embedding)
+    as_stored = Model(loaded.model.config, _as_stored(weights))
+    assert not as_stored.weights.embed.segments[0].rows8  # type: ignore[union-attr]
+    request = wire.NewRequest(
+        request_id="r", prompt_token_ids=[5, 60, 7, 200], sampling=wire.SamplingParams(max_tokens=8)
+    )
+    ours = reference_generate(loaded.model, request).output_token_ids
+    assert ours == reference_generate(as_stored, request).output_token_ids
+
+
+def _as_stored(weights: ModelWeights) -> ModelWeights:
+    def stored_weight(weight: Weight) -> Weight:
+        if not isinstance(weight, QuantizedWeight):
+            return weight
+        segments = tuple(s.stored() if isinstance(s, Segment) else s for s in weight.segments)
+        return QuantizedWeight(segments, weight.cols)
+
+    layers = tuple(
+        replace(
+            layer,
+            qkv_proj=stored_weight(layer.qkv_proj),
+            o_proj=stored_weight(layer.o_proj),
+            mlp=replace(
+                layer.mlp,
+                gate_up_proj=stored_weight(layer.mlp.gate_up_proj),  # type: ignore[attr-defined]
+                down_proj=stored_weight(layer.mlp.down_proj),  # type: ignore[attr-defined]
+            ),
+        )
+        for layer in weights.layers
+    )
+    head = stored_weight(weights.lm_head)
+    return replace(weights, layers=layers, lm_head=head, embed=head)
 
 
 def test_the_tokenizer_comes_from_the_metadata(tiny_dir: Path, tmp_path: Path) -> None:

@@ -103,7 +103,8 @@ struct Activations {
   std::vector<int8_t> qt;
 };
 
-Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int64_t block) {
+Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int64_t block,
+                          bool tiles8 = true) {
   Activations a;
   a.rows_padded = (n + kTile - 1) / kTile * kTile;
   a.k = k;
@@ -145,7 +146,7 @@ Activations quantize_rows(const float* x, int64_t xs, int64_t n, int64_t k, int6
       }
     }
   });
-  const int64_t tiled8 = n / kTile8 * kTile8;
+  const int64_t tiled8 = tiles8 ? n / kTile8 * kTile8 : 0;
   a.qt.resize(tiled8 * k);
   for (int64_t r = 0; r < tiled8; ++r) {
     const int8_t* q = a.q.data() + r * k;
@@ -1009,11 +1010,149 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t format, i
   return out;
 }
 
+
+// ------------------------------------------- W repacked in groups of eight rows (blocks of 32)
+// A group of eight rows of W, block by block (the same bytes as the eight rows' blocks,
+// reordered; quant.py's repack_rows8 is the specification of the layout):
+//   d[8] fp16, then (Q4_1) m[8] fp16, then the quants in groups of four values, the eight rows'
+//   groups side by side: Q4_0/Q4_1 [chunk c 0..3][row][4 packed bytes] (low nibbles: values
+//   4c..4c+3, high: 16+4c..16+4c+3); Q8_0 [group g 0..7][row][4 values].
+// x's four values of a group are broadcast against the eight rows at once: each int32 lane ends
+// with one row's block sum (no horizontal sums), and the float steps of eight rows are the
+// lanes of one operation (per row the same expression as tile_product: the same bits).
+
+#if defined(__AVX2__) && defined(__F16C__)
+template <Format f, int TX>
+void rows8_tile(const uint8_t* group, int64_t nb, const Activations& a, int64_t m0, float* out) {
+  constexpr int64_t bytes = f == Format::Q8_0 ? 34 : (f == Format::Q4_0 ? 18 : 20);
+  constexpr int64_t quants = f == Format::Q4_1 ? 32 : 16;  // the quants' offset in a block group
+  const int64_t np = a.rows_padded;
+  __m256 acc[TX];
+  for (int t = 0; t < TX; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bg = group + b * 8 * bytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg)));
+    __m256i wv[8], wu[8];
+    if constexpr (f == Format::Q8_0) {
+      for (int g = 0; g < 8; ++g) {
+        wv[g] = load32(bg + quants + 32 * g);
+        wu[g] = _mm256_sign_epi8(wv[g], wv[g]);
+      }
+    } else {
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = load32(bg + quants + 32 * c);
+        wv[c] = _mm256_and_si256(v, mask);
+        wv[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+    }
+    for (int t = 0; t < TX; ++t) {
+      const int64_t m = m0 + t;
+      const int8_t* xq = a.q.data() + m * a.k + b * 32;
+      __m256i isum = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        int32_t four;
+        std::memcpy(&four, xq + 4 * g, 4);
+        const __m256i x = _mm256_set1_epi32(four);
+        if constexpr (f == Format::Q8_0) {
+          isum = dot_acc(isum, wu[g], _mm256_sign_epi8(x, wv[g]));
+        } else {
+          isum = dot_acc(isum, wv[g], x);
+        }
+      }
+      if constexpr (f == Format::Q4_0)  // sum (q - 8) qa
+        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(a.sum32[b * np + m] * 8));
+      const __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d[b * np + m])),
+                                        _mm256_cvtepi32_ps(isum));
+      if constexpr (f == Format::Q4_1) {
+        const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + 16)));
+        acc[t] = _mm256_add_ps(acc[t], _mm256_add_ps(term, _mm256_mul_ps(mins, _mm256_set1_ps(a.sa[b * np + m]))));
+      } else {
+        acc[t] = _mm256_add_ps(acc[t], term);
+      }
+    }
+  }
+  for (int t = 0; t < TX; ++t) _mm256_storeu_ps(out + t * 8, acc[t]);
+}
+
+constexpr int kRows8X = 4;  // rows of x per pass over a group of W (its unpacked blocks reused)
+
+template <Format f>
+void rows8_groups(const uint8_t* w, int64_t row_bytes, const Activations& a, float* out,
+                  int64_t n, int64_t rows, int64_t gbegin, int64_t gend) {
+  const int64_t nb = a.k / 32;
+  for (int64_t G = gbegin; G < gend; ++G) {
+    const uint8_t* group = w + G * 8 * row_bytes;
+    alignas(32) float acc[kRows8X * 8];
+    int64_t m0 = 0;
+    for (; m0 + kRows8X <= n; m0 += kRows8X) {
+      rows8_tile<f, kRows8X>(group, nb, a, m0, acc);
+      for (int t = 0; t < kRows8X; ++t)
+        for (int j = 0; j < 8; ++j) out[(m0 + t) * rows + G * 8 + j] = acc[t * 8 + j];
+    }
+    for (; m0 < n; ++m0) {
+      rows8_tile<f, 1>(group, nb, a, m0, acc);
+      for (int j = 0; j < 8; ++j) out[m0 * rows + G * 8 + j] = acc[j];
+    }
+  }
+}
+
+void rows8_product(Format f, const uint8_t* w, int64_t row_bytes, const Activations& a,
+                   float* out, int64_t n, int64_t rows, int64_t gbegin, int64_t gend) {
+  switch (f) {
+    case Format::Q8_0: return rows8_groups<Format::Q8_0>(w, row_bytes, a, out, n, rows, gbegin, gend);
+    case Format::Q4_0: return rows8_groups<Format::Q4_0>(w, row_bytes, a, out, n, rows, gbegin, gend);
+    case Format::Q4_1: return rows8_groups<Format::Q4_1>(w, row_bytes, a, out, n, rows, gbegin, gend);
+    default: TORCH_CHECK(false, "rows8 layouts hold blocks of 32 (Q8_0, Q4_0, Q4_1)");
+  }
+}
+constexpr bool kHasRows8 = true;
+#else
+void rows8_product(Format, const uint8_t*, int64_t, const Activations&, float*, int64_t, int64_t,
+                   int64_t, int64_t) {}
+constexpr bool kHasRows8 = false;
+#endif
+
+// x [n, cols] @ W.T with W's first rows / 8 * 8 rows repacked in groups of eight (above) and
+// the rows left over as stored.
+at::Tensor matmul_rows8(const at::Tensor& x, const at::Tensor& data, int64_t format,
+                        int64_t cols) {
+  TORCH_CHECK(kHasRows8, "the rows8 layout needs AVX2 and F16C (this build: ", kIsa, ")");
+  TORCH_CHECK(format >= 0 && format <= 2, "the rows8 layout holds Q8_0, Q4_0 or Q4_1, got ", format);
+  const Format f = static_cast<Format>(format);
+  const Layout lay = layout_of(f);
+  TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "x and data must be CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be 2-D float32");
+  TORCH_CHECK(x.size(1) == cols && x.stride(1) == 1, "x must be [n, ", cols, "], rows contiguous");
+  TORCH_CHECK(cols % lay.values == 0, "cols must be a multiple of ", lay.values);
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
+              "data must be contiguous 2-D uint8");
+  const int64_t bytes = lay.bytes, row_bytes = cols / lay.values * bytes;
+  TORCH_CHECK(data.size(1) == row_bytes, "data rows must be ", row_bytes, " bytes");
+  const int64_t n = x.size(0), rows = data.size(0), groups = rows / 8;
+  at::Tensor out = at::empty({n, rows}, x.options());
+  if (n == 0 || rows == 0) return out;
+  // No transposed tiles: the rows8 groups broadcast x, and the rows left over (fewer than
+  // eight) run a row at a time.
+  const Activations acts = quantize_rows(x.data_ptr<float>(), x.stride(0), n, cols, 32, false);
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 65536 / (cols * 8 * ((n + 3) / 4 * 4)));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    rows8_product(f, w, row_bytes, acts, o, n, rows, begin, end);
+  });
+  if (groups * 8 < rows) rows_product(f, w, row_bytes, bytes, acts, o, n, rows, groups * 8, rows);
+  return out;
+}
+
 std::string isa() { return kIsa; }
+bool has_rows8() { return kHasRows8; }
 
 }  // namespace
 
 TORCH_LIBRARY(kvgate_quant, m) {
   m.def("matmul(Tensor x, Tensor data, int format, int cols) -> Tensor", &matmul);
+  m.def("matmul_rows8(Tensor x, Tensor data, int format, int cols) -> Tensor", &matmul_rows8);
   m.def("isa() -> str", &isa);
+  m.def("has_rows8() -> bool", &has_rows8);
 }
