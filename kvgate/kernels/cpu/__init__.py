@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("ops.cpp")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd")
+# -fopenmp: at::parallel_for is an OpenMP region in torch's headers (torch's CPU builds use
+# OpenMP); compiled without it, every kernel ran on one thread whatever torch.set_num_threads said.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 # "torch": skip the build and keep the pure-torch kernels; "auto" (or unset): build where possible.
 DISABLE_ENV = "KVGATE_CPU_KERNELS"
 _CHOICES = ("auto", "torch")
@@ -122,6 +124,7 @@ def build_library(source: Path, prefix: str, build_root: Path) -> LoadResult:
             name=name,
             sources=[str(source)],
             extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,
             verbose=False,
