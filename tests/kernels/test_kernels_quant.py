@@ -151,19 +151,20 @@ def test_the_kernel_refuses_rows_of_the_wrong_size(compiled: cpu_quant.QuantLoad
 def test_the_rows8_layout_gives_the_same_bits(
     compiled: cpu_quant.QuantLoadResult, fmt: QuantFormat
 ) -> None:
-    """W in groups of eight rows (the CPU kernel's layout for blocks of 32): the stored bytes come
-    back exactly, and the products equal the stored layout's bit for bit at every row count,
-    with rows past the last whole group (37 = 4 groups + 5) and with none (64)."""
+    """W in groups of eight rows (the CPU kernel's rows8 layout): the stored bytes come back
+    exactly, and the products equal the reference bit for bit at every row count, with rows past
+    the last whole group (37 = 4 groups + 5) and with none (64)."""
     if not cpu_quant.rows8_compiled(compiled):
         pytest.skip(f"the rows8 layout needs AVX2 ({compiled.log_line()})")
     generator = torch.Generator().manual_seed(9)
+    cols = 768 if fmt in K_QUANTS else 832
     for rows in (37, 64):
-        data = random_blocks(fmt, rows, 832, seed=10)
+        data = random_blocks(fmt, rows, cols, seed=10)
         repacked = cpu_quant.repack_rows8(fmt, data)
         assert repacked.shape == data.shape and not torch.equal(repacked, data)
         assert torch.equal(cpu_quant.unpack_rows8(fmt, repacked), data)
         for n in (1, 3, 4, 9, 13, 17):
-            x = torch.randn(n, 832, generator=generator) * 3
+            x = torch.randn(n, cols, generator=generator) * 3
             x[0, :40] = 0.0
-            ours = cpu_quant.quantized_matmul_rows8(x, fmt, repacked, 832, compiled=True)
-            assert torch.equal(ours, quantized_matmul_reference(x, fmt, data, 832)), (rows, n)
+            ours = cpu_quant.quantized_matmul_rows8(x, fmt, repacked, cols, compiled=True)
+            assert torch.equal(ours, quantized_matmul_reference(x, fmt, data, cols)), (rows, n)

@@ -1011,9 +1011,10 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t format, i
 }
 
 
-// ------------------------------------------- W repacked in groups of eight rows (blocks of 32)
+// --------------------------------------------------- W repacked in groups of eight rows
 // A group of eight rows of W, block by block (the same bytes as the eight rows' blocks,
-// reordered; quant.py's repack_rows8 is the specification of the layout):
+// reordered; quant.py's repack_rows8 and ROWS8_FIELDS are the specification of the layout).
+// Blocks of 32:
 //   d[8] fp16, then (Q4_1) m[8] fp16, then the quants in groups of four values, the eight rows'
 //   groups side by side: Q4_0/Q4_1 [chunk c 0..3][row][4 packed bytes] (low nibbles: values
 //   4c..4c+3, high: 16+4c..16+4c+3); Q8_0 [group g 0..7][row][4 values].
@@ -1075,23 +1076,108 @@ void rows8_tile(const uint8_t* group, int64_t nb, const Activations& a, int64_t 
   for (int t = 0; t < TX; ++t) _mm256_storeu_ps(out + t * 8, acc[t]);
 }
 
+// Q4_K / Q5_K in groups of eight rows (quant.py's ROWS8_FIELDS): per super-block d[8], dmin[8]
+// (fp16), the 12 scale bytes [12][row], (Q5_K) qh [8][row][4], qs [32][row][4]. Each row's 6-bit
+// scales and mins are decoded in its lane; the chunk c, group i word of qs holds values
+// 64c + 4i .. + 3 (low nibbles) and 64c + 32 + 4i .. + 3 (high nibbles), as stored.
+template <Format f, int TX>
+void rows8_tile_k45(const uint8_t* group, int64_t nb, const Activations& a, int64_t m0,
+                    float* out) {
+  constexpr int64_t bytes = f == Format::Q4_K ? 144 : 176;
+  constexpr int64_t qs_at = f == Format::Q4_K ? 128 : 384;
+  const int64_t np = a.rows_padded;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
+  __m256 acc[TX];
+  for (int t = 0; t < TX; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bg = group + b * 8 * bytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + 16)));
+    __m256i p[12];  // scale byte i of each row, one per lane
+    for (int i = 0; i < 12; ++i)
+      p[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bg + 32 + 8 * i)));
+    __m256i sc[8], mn[8];  // quant_formats.k_scales_mins, per lane
+    for (int j = 0; j < 4; ++j) {
+      sc[j] = _mm256_and_si256(p[j], six);
+      mn[j] = _mm256_and_si256(p[j + 4], six);
+      sc[j + 4] = _mm256_or_si256(_mm256_and_si256(p[j + 8], four),
+                                  _mm256_slli_epi32(_mm256_srli_epi32(p[j], 6), 4));
+      mn[j + 4] = _mm256_or_si256(_mm256_srli_epi32(p[j + 8], 4),
+                                  _mm256_slli_epi32(_mm256_srli_epi32(p[j + 4], 6), 4));
+    }
+    __m256i isum[TX], imin[TX];
+    for (int t = 0; t < TX; ++t) {
+      isum[t] = _mm256_setzero_si256();
+      imin[t] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        imin[t] = _mm256_add_epi32(imin[t], _mm256_mullo_epi32(
+            mn[j], _mm256_set1_epi32(a.sum32[(b * 8 + j) * np + m0 + t])));
+    }
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo[TX], hi[TX];
+      for (int t = 0; t < TX; ++t) lo[t] = hi[t] = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        const __m256i v = load32(bg + qs_at + (8 * c + i) * 32);
+        __m256i low = _mm256_and_si256(v, nibble);
+        __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        if constexpr (f == Format::Q5_K) {  // the fifth bit: bit 2c (low) and 2c + 1 (high)
+          const __m256i h = load32(bg + 128 + i * 32);
+          low = _mm256_or_si256(low, _mm256_slli_epi16(
+              _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), one), 4));
+          high = _mm256_or_si256(high, _mm256_slli_epi16(
+              _mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one), 4));
+        }
+        for (int t = 0; t < TX; ++t) {
+          const int8_t* xq = a.q.data() + (m0 + t) * a.k + b * 256 + 64 * c + 4 * i;
+          int32_t xl, xh;
+          std::memcpy(&xl, xq, 4);
+          std::memcpy(&xh, xq + 32, 4);
+          lo[t] = dot_acc(lo[t], low, _mm256_set1_epi32(xl));
+          hi[t] = dot_acc(hi[t], high, _mm256_set1_epi32(xh));
+        }
+      }
+      for (int t = 0; t < TX; ++t) {
+        isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(lo[t], sc[2 * c]));
+        isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(hi[t], sc[2 * c + 1]));
+      }
+    }
+    for (int t = 0; t < TX; ++t) {
+      const __m256 da = _mm256_set1_ps(a.d[b * np + m0 + t]);
+      acc[t] = _mm256_add_ps(acc[t], _mm256_sub_ps(
+          _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[t])),
+          _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(imin[t]))));
+    }
+  }
+  for (int t = 0; t < TX; ++t) _mm256_storeu_ps(out + t * 8, acc[t]);
+}
+
 constexpr int kRows8X = 4;  // rows of x per pass over a group of W (its unpacked blocks reused)
+
+template <Format f, int TX>
+void rows8_any(const uint8_t* group, int64_t nb, const Activations& a, int64_t m0, float* out) {
+  if constexpr (f == Format::Q4_K || f == Format::Q5_K) {
+    rows8_tile_k45<f, TX>(group, nb, a, m0, out);
+  } else {
+    rows8_tile<f, TX>(group, nb, a, m0, out);
+  }
+}
 
 template <Format f>
 void rows8_groups(const uint8_t* w, int64_t row_bytes, const Activations& a, float* out,
                   int64_t n, int64_t rows, int64_t gbegin, int64_t gend) {
-  const int64_t nb = a.k / 32;
+  const int64_t nb = a.k / layout_of(f).values;
   for (int64_t G = gbegin; G < gend; ++G) {
     const uint8_t* group = w + G * 8 * row_bytes;
     alignas(32) float acc[kRows8X * 8];
     int64_t m0 = 0;
     for (; m0 + kRows8X <= n; m0 += kRows8X) {
-      rows8_tile<f, kRows8X>(group, nb, a, m0, acc);
+      rows8_any<f, kRows8X>(group, nb, a, m0, acc);
       for (int t = 0; t < kRows8X; ++t)
         for (int j = 0; j < 8; ++j) out[(m0 + t) * rows + G * 8 + j] = acc[t * 8 + j];
     }
     for (; m0 < n; ++m0) {
-      rows8_tile<f, 1>(group, nb, a, m0, acc);
+      rows8_any<f, 1>(group, nb, a, m0, acc);
       for (int j = 0; j < 8; ++j) out[m0 * rows + G * 8 + j] = acc[j];
     }
   }
@@ -1103,7 +1189,9 @@ void rows8_product(Format f, const uint8_t* w, int64_t row_bytes, const Activati
     case Format::Q8_0: return rows8_groups<Format::Q8_0>(w, row_bytes, a, out, n, rows, gbegin, gend);
     case Format::Q4_0: return rows8_groups<Format::Q4_0>(w, row_bytes, a, out, n, rows, gbegin, gend);
     case Format::Q4_1: return rows8_groups<Format::Q4_1>(w, row_bytes, a, out, n, rows, gbegin, gend);
-    default: TORCH_CHECK(false, "rows8 layouts hold blocks of 32 (Q8_0, Q4_0, Q4_1)");
+    case Format::Q4_K: return rows8_groups<Format::Q4_K>(w, row_bytes, a, out, n, rows, gbegin, gend);
+    case Format::Q5_K: return rows8_groups<Format::Q5_K>(w, row_bytes, a, out, n, rows, gbegin, gend);
+    default: TORCH_CHECK(false, "rows8 layouts hold Q8_0, Q4_0, Q4_1, Q4_K and Q5_K");
   }
 }
 constexpr bool kHasRows8 = true;
@@ -1118,7 +1206,8 @@ constexpr bool kHasRows8 = false;
 at::Tensor matmul_rows8(const at::Tensor& x, const at::Tensor& data, int64_t format,
                         int64_t cols) {
   TORCH_CHECK(kHasRows8, "the rows8 layout needs AVX2 and F16C (this build: ", kIsa, ")");
-  TORCH_CHECK(format >= 0 && format <= 2, "the rows8 layout holds Q8_0, Q4_0 or Q4_1, got ", format);
+  TORCH_CHECK(format >= 0 && format <= 4, "the rows8 layout holds Q8_0, Q4_0, Q4_1, Q4_K or Q5_K, got ",
+              format);
   const Format f = static_cast<Format>(format);
   const Layout lay = layout_of(f);
   TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "x and data must be CPU tensors");
@@ -1134,7 +1223,8 @@ at::Tensor matmul_rows8(const at::Tensor& x, const at::Tensor& data, int64_t for
   if (n == 0 || rows == 0) return out;
   // No transposed tiles: the rows8 groups broadcast x, and the rows left over (fewer than
   // eight) run a row at a time.
-  const Activations acts = quantize_rows(x.data_ptr<float>(), x.stride(0), n, cols, 32, false);
+  const Activations acts =
+      quantize_rows(x.data_ptr<float>(), x.stride(0), n, cols, is_k_quant(f) ? 256 : 32, false);
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 65536 / (cols * 8 * ((n + 3) / 4 * 4)));

@@ -71,59 +71,59 @@ def quantized_matmul(
 
 # ------------------------------------------------------------------ groups of eight rows
 
-# Formats the rows8 layout holds (blocks of 32), and where each block's quants start in a block.
-ROWS8_FORMATS = {QuantFormat.Q8_0: 2, QuantFormat.Q4_0: 2, QuantFormat.Q4_1: 4}
+# The rows8 layout, per format: a block's fields as (bytes, unit). In a group of eight rows each
+# block's fields follow one another, and within a field the eight rows' units of ``unit`` bytes
+# sit side by side ([bytes / unit][row][unit]): fp16 scales by two bytes, 6-bit scale bytes by
+# one, quants by four (a group of four values, or of eight nibbles).
+ROWS8_FIELDS: dict[QuantFormat, tuple[tuple[int, int], ...]] = {
+    QuantFormat.Q8_0: ((2, 2), (32, 4)),  # d, qs
+    QuantFormat.Q4_0: ((2, 2), (16, 4)),  # d, qs
+    QuantFormat.Q4_1: ((2, 2), (2, 2), (16, 4)),  # d, m, qs
+    QuantFormat.Q4_K: ((2, 2), (2, 2), (12, 1), (128, 4)),  # d, dmin, scales, qs
+    QuantFormat.Q5_K: ((2, 2), (2, 2), (12, 1), (32, 4), (128, 4)),  # d, dmin, scales, qh, qs
+}
+ROWS8_FORMATS = tuple(ROWS8_FIELDS)
 
 
-def _rows8_split(fmt: QuantFormat, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(the repacked rows [groups, 8, blocks, block bytes], the rows left over, blocks per row)"""
-    rows, row_bytes = data.shape
-    block_bytes = _block_bytes(fmt)
-    blocks = row_bytes // block_bytes
-    whole = rows // 8 * 8
-    return data[:whole].reshape(rows // 8, 8, blocks, block_bytes), data[whole:], blocks
-
-
-def _block_bytes(fmt: QuantFormat) -> int:
-    return {QuantFormat.Q8_0: 34, QuantFormat.Q4_0: 18, QuantFormat.Q4_1: 20}[fmt]
+def _rows8_check(fmt: QuantFormat) -> tuple[tuple[int, int], ...]:
+    if fmt not in ROWS8_FIELDS:
+        shown = ", ".join(ROWS8_FORMATS)
+        raise ValueError(f"the rows8 layout holds {shown}, not {fmt}")
+    return ROWS8_FIELDS[fmt]
 
 
 def repack_rows8(fmt: QuantFormat, data: torch.Tensor) -> torch.Tensor:
     """GGUF blocks ``[rows, row_bytes]`` -> the same bytes in groups of eight rows (quant.cpp's
-    rows8 layout; the rows past the last whole group stay as stored). Per group and block:
-    the eight rows' fp16 ``d`` side by side, then (Q4_1) their ``m``, then their quants in
-    groups of four bytes, the eight rows' groups side by side."""
-    if fmt not in ROWS8_FORMATS:
-        raise ValueError(f"the rows8 layout holds {', '.join(ROWS8_FORMATS)}, not {fmt}")
-    groups, tail, blocks = _rows8_split(fmt, data)
-    start = ROWS8_FORMATS[fmt]
-    g = groups.shape[0]
-    scales = groups[..., :start].permute(0, 2, 3, 1)  # [G, blocks, start, 8]
-    scales = scales.reshape(g, blocks, start // 2, 2, 8).permute(0, 1, 2, 4, 3)  # fp16 per row
-    fours = (_block_bytes(fmt) - start) // 4
-    quants = groups[..., start:].reshape(g, 8, blocks, fours, 4).permute(0, 2, 3, 1, 4)
-    packed = torch.cat(
-        [scales.reshape(g, blocks, 8 * start), quants.reshape(g, blocks, 32 * fours)], dim=2
-    )
-    repacked = packed.reshape(g * 8, data.shape[1])
-    return torch.cat([repacked, tail]).contiguous()
+    rows8 layout, :data:`ROWS8_FIELDS`); the rows past the last whole group stay as stored."""
+    fields = _rows8_check(fmt)
+    block = sum(size for size, _ in fields)
+    rows, row_bytes = data.shape
+    groups, blocks, whole = rows // 8, row_bytes // block, rows // 8 * 8
+    stored = data[:whole].reshape(groups, 8, blocks, block)
+    parts, offset = [], 0
+    for size, unit in fields:
+        field = stored[..., offset : offset + size].reshape(groups, 8, blocks, size // unit, unit)
+        parts.append(field.permute(0, 2, 3, 1, 4).reshape(groups, blocks, 8 * size))
+        offset += size
+    repacked = torch.cat(parts, dim=2).reshape(whole, row_bytes)
+    return torch.cat([repacked, data[whole:]]).contiguous()
 
 
 def unpack_rows8(fmt: QuantFormat, data: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`repack_rows8`: the GGUF blocks as stored."""
-    if fmt not in ROWS8_FORMATS:
-        raise ValueError(f"the rows8 layout holds {', '.join(ROWS8_FORMATS)}, not {fmt}")
-    groups, tail, blocks = _rows8_split(fmt, data)
-    start = ROWS8_FORMATS[fmt]
-    g = groups.shape[0]
-    fours = (_block_bytes(fmt) - start) // 4
-    block_group = groups.reshape(g, blocks, 8 * _block_bytes(fmt))
-    scales = block_group[..., : 8 * start].reshape(g, blocks, start // 2, 8, 2)
-    scales = scales.permute(0, 3, 1, 2, 4).reshape(g, 8, blocks, start)
-    quants = block_group[..., 8 * start :].reshape(g, blocks, fours, 8, 4)
-    quants = quants.permute(0, 3, 1, 2, 4).reshape(g, 8, blocks, 4 * fours)
-    stored = torch.cat([scales, quants], dim=3).reshape(g * 8, data.shape[1])
-    return torch.cat([stored, tail]).contiguous()
+    fields = _rows8_check(fmt)
+    block = sum(size for size, _ in fields)
+    rows, row_bytes = data.shape
+    groups, blocks, whole = rows // 8, row_bytes // block, rows // 8 * 8
+    packed = data[:whole].reshape(groups, blocks, 8 * block)
+    parts, offset = [], 0
+    for size, unit in fields:
+        field = packed[..., 8 * offset : 8 * (offset + size)]
+        field = field.reshape(groups, blocks, size // unit, 8, unit).permute(0, 3, 1, 2, 4)
+        parts.append(field.reshape(groups, 8, blocks, size))
+        offset += size
+    stored = torch.cat(parts, dim=3).reshape(whole, row_bytes)
+    return torch.cat([stored, data[whole:]]).contiguous()
 
 
 def quantized_matmul_rows8(
@@ -145,6 +145,7 @@ def rows8_compiled(result: QuantLoadResult) -> bool:
 
 __all__ = [
     "FORMAT_INDEX",
+    "ROWS8_FIELDS",
     "ROWS8_FORMATS",
     "QuantLoadResult",
     "load",
