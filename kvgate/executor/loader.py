@@ -125,7 +125,7 @@ def load_model(
 
 def _rows8_weights(weights: ModelWeights) -> ModelWeights:
     """The projections and the output layer in the CPU kernel's rows8 layout where their format
-    has one (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K: the same bytes in groups of eight rows; 3.4-6.5x
+    has one (every GGUF format kvgate keeps: the same bytes in groups of eight rows; 2-6.5x
     faster for a lone decode row, 1.2-2.2x for 32 rows, measured in docs/benchmarks.md). A tied
     embedding is the same object as the output layer, so it is repacked once and its lookups
     unpack the groups they touch."""

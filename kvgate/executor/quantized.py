@@ -270,8 +270,8 @@ def stack_rows(parts: Sequence[Weight]) -> Weight:
 
 
 def repacked_rows8(weight: Weight) -> Weight:
-    """``weight`` with its GGUF segments in the CPU kernel's rows8 layout where they have one
-    (Q8_0, Q4_0, Q4_1 with eight rows or more): the same bytes, reordered, so the same memory."""
+    """``weight`` with its GGUF segments in the CPU kernel's rows8 layout (segments of eight rows
+    or more): the same bytes, reordered, so the same memory."""
     if not isinstance(weight, QuantizedWeight):
         return weight
     segments = tuple(s.repacked() if isinstance(s, Segment) else s for s in weight.segments)

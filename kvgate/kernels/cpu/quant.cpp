@@ -1152,12 +1152,79 @@ void rows8_tile_k45(const uint8_t* group, int64_t nb, const Activations& a, int6
   for (int t = 0; t < TX; ++t) _mm256_storeu_ps(out + t * 8, acc[t]);
 }
 
+// Q6_K in groups of eight rows: ql [32][row][4], qh [16][row][4], scales [16][row] (int8), d[8]
+// (fp16). Word l4 of half h: ql word 16h + l4 holds (low / high nibbles) values of groups 0 / 2,
+// ql word 16h + 8 + l4 those of groups 1 / 3, qh word 8h + l4 their two high bits (bits 2g, 2g+1),
+// for values 128h + 32g + 4 l4 .. + 3, as stored.
+template <int TX>
+void rows8_tile_q6k(const uint8_t* group, int64_t nb, const Activations& a, int64_t m0,
+                    float* out) {
+  constexpr int64_t bytes = 210;
+  const int64_t np = a.rows_padded;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  __m256 acc[TX];
+  for (int t = 0; t < TX; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bg = group + b * 8 * bytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bg + 1664)));
+    __m256i isum[TX];
+    for (int t = 0; t < TX; ++t) isum[t] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      for (int half = 0; half < 2; ++half) {  // words l4 0-3, then 4-7: sub-blocks 8h + 2g + half
+        __m256i dots[TX][4];
+        for (int t = 0; t < TX; ++t)
+          for (int g = 0; g < 4; ++g) dots[t][g] = _mm256_setzero_si256();
+        for (int l4 = 4 * half; l4 < 4 * half + 4; ++l4) {
+          const __m256i A = load32(bg + (16 * h + l4) * 32);
+          const __m256i B = load32(bg + (16 * h + 8 + l4) * 32);
+          const __m256i H = load32(bg + 1024 + (8 * h + l4) * 32);
+          const __m256i q[4] = {
+              _mm256_or_si256(_mm256_and_si256(A, nibble),
+                              _mm256_slli_epi16(_mm256_and_si256(H, three), 4)),
+              _mm256_or_si256(_mm256_and_si256(B, nibble),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), three), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), nibble),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), three), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), nibble),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), three), 4)),
+          };
+          for (int t = 0; t < TX; ++t) {
+            const int8_t* xq = a.q.data() + (m0 + t) * a.k + b * 256 + 128 * h + 4 * l4;
+            for (int g = 0; g < 4; ++g) {
+              int32_t four;
+              std::memcpy(&four, xq + 32 * g, 4);
+              dots[t][g] = dot_acc(dots[t][g], q[g], _mm256_set1_epi32(four));
+            }
+          }
+        }
+        for (int g = 0; g < 4; ++g) {
+          const int j = 8 * h + 2 * g + half;
+          const __m256i sc = _mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bg + 1536 + 8 * j)));
+          for (int t = 0; t < TX; ++t) {  // sc_j (sum q qa - 32 sum qa)
+            const __m256i corr = _mm256_set1_epi32(32 * a.sum16[(b * 16 + j) * np + m0 + t]);
+            isum[t] = _mm256_add_epi32(
+                isum[t], _mm256_mullo_epi32(sc, _mm256_sub_epi32(dots[t][g], corr)));
+          }
+        }
+      }
+    }
+    for (int t = 0; t < TX; ++t) {
+      const __m256 da = _mm256_set1_ps(a.d[b * np + m0 + t]);
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[t])));
+    }
+  }
+  for (int t = 0; t < TX; ++t) _mm256_storeu_ps(out + t * 8, acc[t]);
+}
+
 constexpr int kRows8X = 4;  // rows of x per pass over a group of W (its unpacked blocks reused)
 
 template <Format f, int TX>
 void rows8_any(const uint8_t* group, int64_t nb, const Activations& a, int64_t m0, float* out) {
   if constexpr (f == Format::Q4_K || f == Format::Q5_K) {
     rows8_tile_k45<f, TX>(group, nb, a, m0, out);
+  } else if constexpr (f == Format::Q6_K) {
+    rows8_tile_q6k<TX>(group, nb, a, m0, out);
   } else {
     rows8_tile<f, TX>(group, nb, a, m0, out);
   }
@@ -1191,7 +1258,7 @@ void rows8_product(Format f, const uint8_t* w, int64_t row_bytes, const Activati
     case Format::Q4_1: return rows8_groups<Format::Q4_1>(w, row_bytes, a, out, n, rows, gbegin, gend);
     case Format::Q4_K: return rows8_groups<Format::Q4_K>(w, row_bytes, a, out, n, rows, gbegin, gend);
     case Format::Q5_K: return rows8_groups<Format::Q5_K>(w, row_bytes, a, out, n, rows, gbegin, gend);
-    default: TORCH_CHECK(false, "rows8 layouts hold Q8_0, Q4_0, Q4_1, Q4_K and Q5_K");
+    case Format::Q6_K: return rows8_groups<Format::Q6_K>(w, row_bytes, a, out, n, rows, gbegin, gend);
   }
 }
 constexpr bool kHasRows8 = true;
@@ -1206,8 +1273,7 @@ constexpr bool kHasRows8 = false;
 at::Tensor matmul_rows8(const at::Tensor& x, const at::Tensor& data, int64_t format,
                         int64_t cols) {
   TORCH_CHECK(kHasRows8, "the rows8 layout needs AVX2 and F16C (this build: ", kIsa, ")");
-  TORCH_CHECK(format >= 0 && format <= 4, "the rows8 layout holds Q8_0, Q4_0, Q4_1, Q4_K or Q5_K, got ",
-              format);
+  TORCH_CHECK(format >= 0 && format <= 5, "format must be 0..5, got ", format);
   const Format f = static_cast<Format>(format);
   const Layout lay = layout_of(f);
   TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "x and data must be CPU tensors");

@@ -81,6 +81,7 @@ ROWS8_FIELDS: dict[QuantFormat, tuple[tuple[int, int], ...]] = {
     QuantFormat.Q4_1: ((2, 2), (2, 2), (16, 4)),  # d, m, qs
     QuantFormat.Q4_K: ((2, 2), (2, 2), (12, 1), (128, 4)),  # d, dmin, scales, qs
     QuantFormat.Q5_K: ((2, 2), (2, 2), (12, 1), (32, 4), (128, 4)),  # d, dmin, scales, qh, qs
+    QuantFormat.Q6_K: ((128, 4), (64, 4), (16, 1), (2, 2)),  # ql, qh, scales, d
 }
 ROWS8_FORMATS = tuple(ROWS8_FIELDS)
 
