@@ -40,7 +40,7 @@ from kvgate.protocol.step import (
     TokenRow,
 )
 from kvgate.protocol.stopping import StopRule
-from kvgate.sim.hashing import mix, text_hash
+from kvgate.sim.hashing import mix, mix2, mix3, text_hash
 from kvgate.sim.workload import ExitMode, ModelSection
 
 MAX_MODEL_LEN: Final = 1 << 30  # the simulated model has no position limit of its own
@@ -417,7 +417,7 @@ class SimExecutor:
                     )
                 digest = mix(*slots)  # type: ignore[arg-type]
                 digests[block] = digest
-            h = mix(h, digest)
+            h = mix2(h, digest)
             memo.blocks.append(block)
             memo.digests.append(digest)
             memo.folds.append(h)
@@ -445,18 +445,18 @@ class SimExecutor:
                     f"{full_pages * self.block_size + offset} at plane {plane} (block {block}) "
                     "was never written"
                 )
-            h = mix(h, value)
+            h = mix2(h, value)
             values.append(value)
             folds.append(h)
         return h
 
     def _pass(self, request: _SimRequest, position: int, depth: int) -> int:
         hidden = (
-            mix(self.model.seed, request.token_at(position), position)
+            mix3(self.model.seed, request.token_at(position), position)
             if depth == 1
             else self._read(request, depth - 1, position)
         )
-        value = mix(hidden, depth, self._context(request, depth, position))
+        value = mix3(hidden, depth, self._context(request, depth, position))
         self._write(request, depth, position, value)
         return value
 
@@ -472,7 +472,7 @@ class SimExecutor:
 
     def _sample(self, request: _SimRequest, value: int, position: int, depth: int) -> TokenRow:
         seed = request.new.sampling.seed or 0
-        token = mix(value, seed, position) % self.model.vocab_size
+        token = mix3(value, seed, position) % self.model.vocab_size
         request.outputs.append(token)
         request.exit_depths.append(depth)
         if request.stop.finish_reason(len(request.outputs), token) is not None:
