@@ -983,7 +983,14 @@ void rows_product(Format f, const uint8_t* w, int64_t row_bytes, int64_t bytes,
   }
 }
 
-at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t cols) {
+// The arguments of both products checked; the format and its block bytes, and a row's bytes.
+struct Checked {
+  Format f;
+  int64_t bytes, row_bytes;
+};
+
+Checked check_arguments(const at::Tensor& x, const at::Tensor& data, int64_t format,
+                        int64_t cols) {
   TORCH_CHECK(format >= 0 && format <= 5, "format must be 0..5, got ", format);
   const Format f = static_cast<Format>(format);
   const Layout lay = layout_of(f);
@@ -995,6 +1002,11 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t format, i
               "data must be contiguous 2-D uint8");
   const int64_t bytes = lay.bytes, row_bytes = cols / lay.values * bytes;
   TORCH_CHECK(data.size(1) == row_bytes, "data rows must be ", row_bytes, " bytes");
+  return {f, bytes, row_bytes};
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t cols) {
+  const auto [f, bytes, row_bytes] = check_arguments(x, data, format, cols);
   const int64_t n = x.size(0), rows = data.size(0);
   at::Tensor out = at::empty({n, rows}, x.options());
   if (n == 0 || rows == 0) return out;
@@ -1273,17 +1285,7 @@ constexpr bool kHasRows8 = false;
 at::Tensor matmul_rows8(const at::Tensor& x, const at::Tensor& data, int64_t format,
                         int64_t cols) {
   TORCH_CHECK(kHasRows8, "the rows8 layout needs AVX2 and F16C (this build: ", kIsa, ")");
-  TORCH_CHECK(format >= 0 && format <= 5, "format must be 0..5, got ", format);
-  const Format f = static_cast<Format>(format);
-  const Layout lay = layout_of(f);
-  TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "x and data must be CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be 2-D float32");
-  TORCH_CHECK(x.size(1) == cols && x.stride(1) == 1, "x must be [n, ", cols, "], rows contiguous");
-  TORCH_CHECK(cols % lay.values == 0, "cols must be a multiple of ", lay.values);
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
-              "data must be contiguous 2-D uint8");
-  const int64_t bytes = lay.bytes, row_bytes = cols / lay.values * bytes;
-  TORCH_CHECK(data.size(1) == row_bytes, "data rows must be ", row_bytes, " bytes");
+  const auto [f, bytes, row_bytes] = check_arguments(x, data, format, cols);
   const int64_t n = x.size(0), rows = data.size(0), groups = rows / 8;
   at::Tensor out = at::empty({n, rows}, x.options());
   if (n == 0 || rows == 0) return out;
