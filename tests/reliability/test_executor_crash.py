@@ -84,6 +84,12 @@ async def test_killed_executor_work_finishes_elsewhere_and_its_epoch_is_fenced(
     assert summary.moved > 0, "requests of the killed executor finished on the other one"
     results, _ = await cluster.answers(settle_s=0)
     moved = [r for r in results if len(r.scheduling.executors) > 1]
-    assert all(r.scheduling.executors[:2] == ["exec-a", "exec-b"] for r in moved), moved
+    # Some of the killed executor's requests finished on the other one. Not every move is that
+    # one: under this cache's pressure a request preempted on exec-b may be restored on the
+    # restarted exec-a, and one the kill sent back to waiting may land on exec-a again (seen
+    # once in a clean-clone run); both are the scheduler's to choose.
+    assert any(r.scheduling.executors[:2] == ["exec-a", "exec-b"] for r in moved), [
+        (r.request_id, r.scheduling.executors) for r in moved
+    ]
     assert any(r.scheduling.executors == ["exec-a"] for r in results if r.request_id[0] == "y")
     assert service.metric("kvgate_admission_executor_losses_total") == 1
