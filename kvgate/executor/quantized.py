@@ -322,15 +322,14 @@ def segment_matmul(x: torch.Tensor, segment: AnySegment, cols: int) -> torch.Ten
     """``x [n, cols] @ segment.T`` on the tensors' device, in x's dtype."""
     if isinstance(segment, PackedSegment):
         return segment.matmul(x)
-    compiled = prepare_quant_kernel().compiled
-    if segment.rows8:  # CPU only, whatever the Triton mode: only quant.cpp reads this layout
-        out = cpu_quant.quantized_matmul_rows8(x.float(), segment.fmt, segment.data, cols, compiled)
-        return out.to(x.dtype)
-    if select_backend(segment.data.device) is Backend.TRITON:
+    # A rows8 segment is CPU-only and read by quant.cpp alone, whatever the Triton mode.
+    if not segment.rows8 and select_backend(segment.data.device) is Backend.TRITON:
         from kvgate.kernels.triton_quant import gguf_matmul  # noqa: PLC0415  (Triton: on use)
 
         return gguf_matmul(x, segment.fmt, segment.data, cols)
-    out = cpu_quant.quantized_matmul(x.float(), segment.fmt, segment.data, cols, compiled)
+    compiled = prepare_quant_kernel().compiled
+    multiply = cpu_quant.quantized_matmul_rows8 if segment.rows8 else cpu_quant.quantized_matmul
+    out = multiply(x.float(), segment.fmt, segment.data, cols, compiled)
     return out.to(x.dtype)
 
 

@@ -431,27 +431,12 @@ inline void block32_bytes(Format f, const uint8_t* blk, uint8_t* out) {
   }
 }
 
-// sum over the 32 values w[0..32) of w * x for each of the tile's eight rows (xg: the tile's
-// groups of four for those values).
-inline __m256i dot32_tile8(Format f, const uint8_t* w, const int8_t* xg, __m256i isum) {
-  for (int g = 0; g < 8; ++g) {
-    int32_t four;
-    std::memcpy(&four, w + 4 * g, 4);
-    const __m256i wg = _mm256_set1_epi32(four);
-    const __m256i x = load32(xg + g * 4 * kTile8);
-    if (f == Format::Q8_0) {  // signed weights: their size against x with their sign
-      isum = dot_acc(isum, _mm256_sign_epi8(wg, wg), _mm256_sign_epi8(x, wg));
-    } else {
-      isum = dot_acc(isum, wg, x);
-    }
-  }
-  return isum;
-}
-
-// The sum over 16 values (four groups of four) for each of the eight rows.
-inline __m256i dot16_tile8(const uint8_t* w, const int8_t* xg) {
+// sum over the 4 * GROUPS unsigned values w[0 .. 4 GROUPS) of w * x for each of the tile's eight
+// rows (xg: the tile's groups of four for those values).
+template <int GROUPS>
+inline __m256i dot_tile8(const uint8_t* w, const int8_t* xg) {
   __m256i isum = _mm256_setzero_si256();
-  for (int g = 0; g < 4; ++g) {
+  for (int g = 0; g < GROUPS; ++g) {
     int32_t four;
     std::memcpy(&four, w + 4 * g, 4);
     isum = dot_acc(isum, _mm256_set1_epi32(four), load32(xg + g * 4 * kTile8));
@@ -463,33 +448,20 @@ inline __m256i load_i32x8(const int32_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// One format per instantiation (the format's branches resolved at compile time).
+// K-quants against a tile of eight rows, one format per instantiation (blocks of 32 take
+// tiles8_block32 below, which shares a block's unpacking between tiles).
 template <Format f>
 void tile8_format(const uint8_t* row, int64_t bytes, const Activations& a, const RowScales& s,
                   int64_t nb, int64_t m0, float* out) {
+  static_assert(f == Format::Q4_K || f == Format::Q5_K || f == Format::Q6_K);
   const int64_t np = a.rows_padded;
-  constexpr int64_t values = f == Format::Q8_0 || f == Format::Q4_0 || f == Format::Q4_1 ? 32 : 256;
   const int8_t* tile = a.qt.data() + m0 * a.k;
   alignas(32) uint8_t w[256];
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * bytes;
-    const int8_t* xb = tile + b * values * kTile8;
+    const int8_t* xb = tile + b * 256 * kTile8;
     const __m256 dda = _mm256_mul_ps(_mm256_set1_ps(s.d[b]), _mm256_loadu_ps(&a.d[b * np + m0]));
-    if constexpr (values == 32) {
-      block32_bytes(f, blk, w);
-      __m256i isum = dot32_tile8(f, w, xb, _mm256_setzero_si256());
-      if constexpr (f == Format::Q4_0)  // sum (q - 8) qa
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(load_i32x8(&a.sum32[b * np + m0]), 3));
-      const __m256 term = _mm256_mul_ps(dda, _mm256_cvtepi32_ps(isum));
-      if constexpr (f == Format::Q4_1) {
-        const __m256 sa = _mm256_loadu_ps(&a.sa[b * np + m0]);
-        acc = _mm256_add_ps(acc, _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(s.m[b]), sa)));
-      } else {
-        acc = _mm256_add_ps(acc, term);
-      }
-      continue;
-    }
     __m256i isum = _mm256_setzero_si256();
     if constexpr (f == Format::Q6_K) {  // sum_j sc_j (sum q qa - 32 sum qa), sub-blocks of 16
       for (int h = 0; h < 2; ++h) {
@@ -501,7 +473,7 @@ void tile8_format(const uint8_t* row, int64_t bytes, const Activations& a, const
       const int16_t* sc = &s.sc[b * 16];
       for (int j = 0; j < 16; ++j) {
         const __m256i dot = _mm256_sub_epi32(
-            dot16_tile8(w + 16 * j, xb + 16 * j * kTile8),
+            dot_tile8<4>(w + 16 * j, xb + 16 * j * kTile8),
             _mm256_slli_epi32(load_i32x8(&a.sum16[(b * 16 + j) * np + m0]), 5));
         isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot, _mm256_set1_epi32(sc[j])));
       }
@@ -519,7 +491,7 @@ void tile8_format(const uint8_t* row, int64_t bytes, const Activations& a, const
     const int16_t* mins = &s.mins[b * 8];
     __m256i imin = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
-      const __m256i dot = dot32_tile8(f, w + 32 * j, xb + 32 * j * kTile8, _mm256_setzero_si256());
+      const __m256i dot = dot_tile8<8>(w + 32 * j, xb + 32 * j * kTile8);
       isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(dot, _mm256_set1_epi32(sc[j])));
       imin = _mm256_add_epi32(imin, _mm256_mullo_epi32(load_i32x8(&a.sum32[(b * 8 + j) * np + m0]),
                                                        _mm256_set1_epi32(mins[j])));
@@ -587,12 +559,10 @@ void tiles8_product(Format f, const uint8_t* row, int64_t bytes, const Activatio
 void tile8_product(Format f, const uint8_t* row, int64_t bytes, const Activations& a,
                    const RowScales& s, int64_t nb, int64_t m0, float* out) {
   switch (f) {
-    case Format::Q8_0: return tile8_format<Format::Q8_0>(row, bytes, a, s, nb, m0, out);
-    case Format::Q4_0: return tile8_format<Format::Q4_0>(row, bytes, a, s, nb, m0, out);
-    case Format::Q4_1: return tile8_format<Format::Q4_1>(row, bytes, a, s, nb, m0, out);
     case Format::Q4_K: return tile8_format<Format::Q4_K>(row, bytes, a, s, nb, m0, out);
     case Format::Q5_K: return tile8_format<Format::Q5_K>(row, bytes, a, s, nb, m0, out);
     case Format::Q6_K: return tile8_format<Format::Q6_K>(row, bytes, a, s, nb, m0, out);
+    default: TORCH_CHECK(false, "blocks of 32 take tiles8_block32");
   }
 }
 
