@@ -24,6 +24,8 @@ from kvgate.protocol.admin import (
 )
 
 DEFAULT_URL_TEMPLATE: Final = "http://{pool}-admission.{namespace}.svc:8080"
+# One admission pod's own admin API, for pools of several replicas (each is told its shard).
+DEFAULT_POD_URL_TEMPLATE: Final = "http://{pod_ip}:8080"
 _Body = TypeVar("_Body", bound=BaseModel)
 
 
@@ -49,6 +51,27 @@ def check_url_template(template: str) -> None:
         ) from None
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"admin URL template {template!r} must start with http:// or https://")
+
+
+def pod_admin_url(template: str, *, pod_ip: str) -> str:
+    """``template`` with the pod's IP (an IPv6 address in brackets)."""
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return template.format(pod_ip=host).rstrip("/")
+
+
+def check_pod_url_template(template: str) -> None:
+    """Raise ValueError unless ``template`` formats with exactly {pod_ip}."""
+    try:
+        url = pod_admin_url(template, pod_ip="10.0.0.1")
+    except (KeyError, IndexError, ValueError) as error:
+        raise ValueError(
+            f"admin pod URL template {template!r} may use only {{pod_ip}}: {error!r}"
+        ) from None
+    if "{pod_ip}" not in template or not url.startswith(("http://", "https://")):
+        raise ValueError(
+            f"admin pod URL template {template!r} must start with http:// or https:// and "
+            "use {pod_ip}"
+        )
 
 
 class AdminClient:

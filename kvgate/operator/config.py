@@ -15,7 +15,12 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvgate.backoff import Uniform, jittered_delay_s
-from kvgate.operator.admin import DEFAULT_URL_TEMPLATE, check_url_template
+from kvgate.operator.admin import (
+    DEFAULT_POD_URL_TEMPLATE,
+    DEFAULT_URL_TEMPLATE,
+    check_pod_url_template,
+    check_url_template,
+)
 from kvgate.operator.naming import KOPF_FINALIZER, KOPF_PREFIX, LABEL_POOL, MANAGED_BY
 from kvgate.operator.tokens import TokenKey
 
@@ -25,6 +30,9 @@ class OperatorConfig(BaseSettings):
 
     # Where a pool's admin API answers; {pool} and {namespace} are filled in.
     admin_url_template: str = DEFAULT_URL_TEMPLATE
+    # Where one admission pod's admin API answers ({pod_ip}): pools of several replicas, whose
+    # replicas are each told their own shard of the executors.
+    admin_pod_url_template: str = DEFAULT_POD_URL_TEMPLATE
     # Image of the admission service when a pool does not name one (set by the chart).
     admission_image: str | None = None
     # How often to look again while something is in progress that no watch event reports:
@@ -63,6 +71,12 @@ class OperatorConfig(BaseSettings):
     @classmethod
     def _template(cls, value: str) -> str:
         check_url_template(value)
+        return value
+
+    @field_validator("admin_pod_url_template")
+    @classmethod
+    def _pod_template(cls, value: str) -> str:
+        check_pod_url_template(value)
         return value
 
     def retry_delay_s(self, retry: int, uniform: Uniform = random.uniform) -> float:

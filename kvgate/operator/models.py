@@ -302,11 +302,16 @@ class TelemetrySpec(_Spec):
     service_name: Annotated[str, Field(min_length=1, max_length=128)] = "kvgate"
 
 
-class AdmissionSpec(_Spec):
-    """The pool's admission service. At most one replica: each admission session fences its
-    executors with a newer epoch, so two replicas would take the executors from each other."""
+# Each replica needs a request partition of its own to be useful, and an executor.
+MAX_ADMISSION_REPLICAS = 64
 
-    replicas: Annotated[int, Field(ge=0, le=1)] = 1
+
+class AdmissionSpec(_Spec):
+    """The pool's admission service. Several replicas share the pool: the request partitions
+    by their consumer group, the executors by the operator (``shards.py``); 0 pauses
+    consumption."""
+
+    replicas: Annotated[int, Field(ge=0, le=MAX_ADMISSION_REPLICAS)] = 1
     image: Annotated[str, Field(min_length=1)] | None = None
     image_pull_policy: PullPolicy | None = None
     resources: ResourceRequirements = ResourceRequirements()

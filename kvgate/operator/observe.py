@@ -132,10 +132,13 @@ _HASH_ONLY = frozenset({"resources"})
 
 def covers(live: object, desired: object) -> bool:
     """Whether ``live`` still has every value ``desired`` sets (fields the API server or
-    others added are ignored; lists must match element by element)."""
+    others added are ignored; lists must match element by element; a None in ``desired`` is a
+    merge patch's deletion: the field must be absent)."""
     if isinstance(desired, Mapping):
         return isinstance(live, Mapping) and all(
-            key in _HASH_ONLY or (key in live and covers(live[key], value))
+            key in _HASH_ONLY
+            or (value is None and live.get(key) is None)
+            or (key in live and covers(live[key], value))
             for key, value in desired.items()
         )
     if isinstance(desired, list):

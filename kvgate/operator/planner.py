@@ -93,6 +93,8 @@ class Plan:
     # Actions, in the order they are carried out.
     drains: tuple[DrainStart, ...]
     membership: tuple[ExecutorSpec, ...] | None  # None: leave the membership as it is
+    members: tuple[ExecutorSpec, ...]  # the membership the pool should have (``membership``'s
+    # update or not): what several admission replicas share out (``shards.py``)
     deletions: tuple[Deletion, ...]
     creations: tuple[int, ...]  # slots
     # Facts.
@@ -302,6 +304,7 @@ def plan(inp: PlanInput) -> Plan:
         input=inp,
         drains=tuple(drains),
         membership=membership,
+        members=desired,
         deletions=tuple(deletions),
         creations=creations,
         converged=converged,

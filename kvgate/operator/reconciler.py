@@ -9,7 +9,8 @@ acts on the latest spec. Its phases::
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -18,8 +19,14 @@ from typing import Any, Protocol
 import aiohttp
 from pydantic import ValidationError
 
-from kvgate.operator import autoscale, planner
-from kvgate.operator.admin import AdminClient, AdminRejected, AdminUnavailable, admin_url
+from kvgate.operator import autoscale, planner, shards
+from kvgate.operator.admin import (
+    AdminClient,
+    AdminRejected,
+    AdminUnavailable,
+    admin_url,
+    pod_admin_url,
+)
 from kvgate.operator.builders import (
     PoolRef,
     build_admin_token_secret,
@@ -30,7 +37,7 @@ from kvgate.operator.builders import (
     build_executor_service,
     executor_revision,
 )
-from kvgate.operator.builders.common import with_spec_hash
+from kvgate.operator.builders.common import selector_labels, with_spec_hash
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.kube import (
     CONFIGMAPS,
@@ -48,6 +55,7 @@ from kvgate.operator.models import ExecutorPoolSpec, InvalidSpecError, parse_spe
 from kvgate.operator.naming import (
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
+    COMPONENT_ADMISSION,
 )
 from kvgate.operator.observe import (
     ObservedPod,
@@ -161,8 +169,19 @@ class Reconciler:
             token,
         )
         paused = spec.admission.replicas == 0
-        # No admission service, no work on any executor: nothing to drain or to tell.
-        reading, admin_problem = (None, "") if paused else await self._membership(admin)
+        admissions: list[shards.Replica] | None = None
+        if spec.admission.replicas > 1:
+            # Several replicas: each is asked on its own; the pool's reading is their union.
+            admissions = await self._admission_replicas(ref, token)
+            reading = shards.merged(admissions)
+            admin_problem = "; ".join(r.problem for r in admissions if r.problem)
+            if reading is None and not admin_problem:
+                admin_problem = "no admission replica is ready"
+        elif paused:
+            # No admission service, no work on any executor: nothing to drain or to tell.
+            reading, admin_problem = None, ""
+        else:
+            reading, admin_problem = await self._membership(admin)
         membership = [] if paused else None if reading is None else reading.executors
         now = self._clock().replace(microsecond=0)
         revision = executor_revision(ref, spec)
@@ -182,14 +201,27 @@ class Reconciler:
                 admission_paused=paused,
             )
         )
-        await self._act(plan, raw=raw, ref=ref, spec=spec, admin=admin, now=now)
-        status = pool_status(pool, plan, now, autoscaling=scaling)
+        shard = None
+        if admissions is None:
+            await self._act(plan, raw=raw, ref=ref, spec=spec, admin=admin, now=now)
+        else:
+            shard = shards.split(plan.members, admissions)
+            admins = {
+                r.name: self._admin_client(r.url, token) for r in admissions if r.url is not None
+            }
+            await self._act_sharded(
+                plan, shard, admissions, admins, raw=raw, ref=ref, spec=spec, now=now
+            )
+        status = pool_status(
+            pool, plan, now, autoscaling=scaling, owners=shard.owners if shard else None
+        )
         await self._write_status(pool, status)
         sync_s = None if spec.autoscaling is None else float(spec.autoscaling.sync_period_seconds)
-        if plan.converged:
+        moving = shard is not None and bool(shard.moving)
+        if plan.converged and not moving:
             return Outcome(OutcomeKind.CONVERGED, sync_s=sync_s)
         ready = next(c for c in status.conditions if c.type is ConditionType.READY)
-        poll = plan.draining or membership is None
+        poll = plan.draining or membership is None or moving
         # Pod changes arrive as events; the slower resync only guards against missed ones.
         delay_s = self._config.poll_interval_s if poll else self._config.resync_interval_s
         return Outcome(OutcomeKind.WAITING, ready.message, delay_s, poll=poll, sync_s=sync_s)
@@ -305,6 +337,25 @@ class Reconciler:
                 ) from None
             raise
 
+    def _admin_client(self, url: str, token: str) -> AdminClient:
+        return AdminClient(self._admin_session, url, token)
+
+    async def _admission_replicas(self, ref: PoolRef, token: str) -> list[shards.Replica]:
+        """The pool's admission pods; each ready one is asked for its membership (at once)."""
+        selector = selector_labels(ref, COMPONENT_ADMISSION)
+        pods = [observe_pod(item) for item in await self._kube.list(PODS, ref.namespace, selector)]
+
+        async def observe(pod: ObservedPod) -> shards.Replica:
+            template = self._config.admin_pod_url_template
+            url = None if pod.pod_ip is None else pod_admin_url(template, pod_ip=pod.pod_ip)
+            ready = pod.ready and not pod.terminating
+            if url is None or not ready:
+                return shards.Replica(pod.name, url, ready=False)
+            reading, problem = await self._membership(self._admin_client(url, token))
+            return shards.Replica(pod.name, url, ready=True, reading=reading, problem=problem)
+
+        return list(await asyncio.gather(*(observe(p) for p in sorted(pods, key=_by_name))))
+
     async def _membership(self, admin: AdminClient) -> tuple[ExecutorMembership | None, str]:
         try:
             return await admin.membership(), ""
@@ -335,6 +386,11 @@ class Reconciler:
             await admin.set_membership(ExecutorSet(executors=list(plan.membership)))
             names = ", ".join(e.name for e in plan.membership) or "none"
             self._event(raw, "Normal", "MembershipUpdated", f"executors: {names}")
+        await self._replace_pods(plan, raw=raw, ref=ref, spec=spec)
+
+    async def _replace_pods(
+        self, plan: planner.Plan, *, raw: RawObject, ref: PoolRef, spec: ExecutorPoolSpec
+    ) -> None:
         for deletion in plan.deletions:
             if await self._kube.delete(PODS, ref.namespace, deletion.name, uid=deletion.uid):
                 self._event(raw, *deletion_event(deletion, spec))
@@ -342,6 +398,41 @@ class Reconciler:
             pod = build_executor_pod(ref, spec, slot)
             if await self._write(self._kube.create(PODS, ref.namespace, pod), pod):
                 self._event(raw, "Normal", "ExecutorCreated", f"created {pod['metadata']['name']}")
+
+    async def _act_sharded(
+        self,
+        plan: planner.Plan,
+        shard: shards.ShardPlan,
+        replicas: Sequence[shards.Replica],
+        admins: Mapping[str, AdminClient],
+        *,
+        raw: RawObject,
+        ref: PoolRef,
+        spec: ExecutorPoolSpec,
+        now: datetime,
+    ) -> None:
+        """``_act`` for several admission replicas: a drain goes to the replica that holds the
+        executor; the membership is shared out by ``shard`` in two rounds (every release
+        before any executor is given to another replica), then pods go and come."""
+        for drain in plan.drains:
+            if drain.mark:
+                mark = {"metadata": {"annotations": {ANNOTATION_DRAINING_SINCE: now.isoformat()}}}
+                if not await self._kube.merge_patch(PODS, ref.namespace, drain.name, mark):
+                    continue
+            for replica in replicas:
+                if replica.live and drain.name in replica.holds():
+                    await admins[replica.name].drain(drain.name)
+            if drain.mark:
+                self._event(raw, "Normal", "DrainStarted", f"draining {drain.name} ({drain.cause})")
+        for name, kept in shard.releases.items():
+            await admins[name].set_membership(ExecutorSet(executors=list(kept)))
+        for name in shard.pushes:
+            members = shard.memberships[name]
+            if shard.releases.get(name) != members:
+                await admins[name].set_membership(ExecutorSet(executors=list(members)))
+            names = ", ".join(e.name for e in members) or "none"
+            self._event(raw, "Normal", "MembershipUpdated", f"{name} drives: {names}")
+        await self._replace_pods(plan, raw=raw, ref=ref, spec=spec)
 
     def _event(self, raw: RawObject, type: str, reason: str, message: str) -> None:
         self._events(raw, type=type, reason=reason, message=message)
@@ -373,3 +464,7 @@ def _autoscaling_status(status: Mapping[str, Any]) -> AutoscalingStatus:
         return AutoscalingStatus.model_validate(status.get("autoscaling"))
     except ValidationError:
         return AutoscalingStatus(desired_replicas=0, reason="")
+
+
+def _by_name(pod: ObservedPod) -> str:
+    return pod.name

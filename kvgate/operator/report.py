@@ -5,6 +5,7 @@ Pure functions of what the pass observed and planned; the reconciler writes and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -42,8 +43,14 @@ def phase(plan: Plan) -> Phase:
 
 
 def pool_status(
-    pool: ObservedPool, plan: Plan, now: datetime, *, autoscaling: AutoscalingStatus | None = None
+    pool: ObservedPool,
+    plan: Plan,
+    now: datetime,
+    *,
+    autoscaling: AutoscalingStatus | None = None,
+    owners: Mapping[str, str] | None = None,
 ) -> PoolStatus:
+    """The status of ``plan``; ``owners``: which admission replica drives each executor."""
     selector = executor_selector(pool.name)
     updates = conditions(plan)
     if autoscaling is not None:
@@ -56,7 +63,10 @@ def pool_status(
         updated_replicas=plan.updated_replicas,
         revision=plan.input.revision,
         selector=",".join(f"{key}={value}" for key, value in sorted(selector.items())),
-        executors=list(plan.executors),
+        executors=[
+            e.model_copy(update={"admission": owners.get(e.name)}) if owners else e
+            for e in plan.executors
+        ],
         autoscaling=autoscaling,
         conditions=merge_conditions(pool.conditions, updates, now=now, generation=pool.generation),
     )

@@ -68,6 +68,8 @@ class ExecutorEntry(_Status):
     endpoint: str | None
     ready: bool
     draining: bool
+    # The admission replica (pod) that drives it, in pools of several replicas.
+    admission: str | None = None
 
 
 class RecommendationEntry(_Status):

@@ -84,7 +84,7 @@ class FakeAdminApi:
 
     # --- server -----------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         app = web.Application(middlewares=[self._journal_middleware])
         app.router.add_get("/v1/executors", self._get_membership)
         app.router.add_put("/v1/executors", self._put_membership)
@@ -93,7 +93,7 @@ class FakeAdminApi:
         app.router.add_get("/healthz", self._ok)
         app.router.add_get("/readyz", self._ok)
         app.router.add_get("/metrics", self._metrics)
-        self._runner, self.url = await serve_locally(app)
+        self._runner, self.url = await serve_locally(app, host, port)
 
     async def stop(self) -> None:
         if self._runner is not None:

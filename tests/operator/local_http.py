@@ -30,10 +30,13 @@ def successful_calls(journal: Iterable[Call], method: str, path_prefix: str = ""
     ]
 
 
-async def serve_locally(app: web.Application) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on a free port of 127.0.0.1: its runner (``cleanup()`` stops it) and URL."""
+async def serve_locally(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on ``host`` (a free port unless given): its runner (``cleanup()`` stops
+    it) and URL."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, host, port).start()
     host, port = runner.addresses[0][:2]
     return runner, f"http://{host}:{port}"

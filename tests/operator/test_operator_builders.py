@@ -367,7 +367,8 @@ def test_admission_deployment() -> None:
     full = parse_spec(POOL.name, FULL_SPEC)
     deployment = build_admission_deployment(POOL, full, image="adm:1", admin_token="secret-token")
     assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # One replica: never two at once (the Service would send the membership to either).
+    assert deployment["spec"]["strategy"] == {"type": "Recreate", "rollingUpdate": None}
     template = deployment["spec"]["template"]
     assert template["metadata"]["labels"][LABEL_POOL] == "pool"  # its pod events reach the operator
     c = container(deployment)
@@ -491,3 +492,13 @@ def test_the_pools_token_records_reach_the_service() -> None:
     )
     plain = build_admission_configmap(POOL, spec())["data"][CONFIG_KEY]
     assert load_settings(None, yaml.safe_load(plain)).kafka.token_records is TokenRecords.PER_STEP
+
+
+def test_several_admission_replicas_roll_one_pod_at_a_time() -> None:
+    spec = parse_spec(POOL.name, FULL_SPEC | {"admission": {"replicas": 3}})
+    deployment = build_admission_deployment(POOL, spec, image="adm:1", admin_token="t")
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }

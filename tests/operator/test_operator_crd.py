@@ -169,7 +169,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("topic", {"kafka": {"bootstrapServers": "k:1", "topics": {"requests": "a b"}}}, "match"),
     ("create topics", {"kafka": {"bootstrapServers": "k:1", "createTopics": "yes"}}, "'yes'"),
     ("token secret", {"tokenSecret": {"key": "token"}}, "'name' is a required property"),
-    ("admission replicas", {"admission": {"replicas": 2}}, "greater than the maximum of 1"),
+    ("admission replicas", {"admission": {"replicas": 65}}, "greater than the maximum of 64"),
     ("quota zero", {"tenants": {"quotas": {"a": {"tokensPerMinute": 0}}}}, "less than the min"),
     ("quota no rate", {"tenants": {"defaultQuota": {"burstTokens": 5}}}, "'tokensPerMinute'"),
     ("drain timeout", {"drainTimeoutSeconds": 0}, "less than the minimum of 1"),

@@ -125,7 +125,7 @@ def test_defaults() -> None:
         ({"gpus_per_executor": 2}, "spec.gpus_per_executor: Extra inputs are not permitted"),
         ({"tolerations": [{"operator": "Maybe"}]}, "spec.tolerations[0].operator: Input should"),
         ({"tokenSecret": {"name": "Bad_Name"}}, "spec.tokenSecret.name: String should match"),
-        ({"admission": {"replicas": 2}}, "spec.admission.replicas: Input should be less"),
+        ({"admission": {"replicas": 65}}, "spec.admission.replicas: Input should be less"),
     ],
 )
 def test_refused_specs_say_where_and_why(changes: dict[str, Any], expected: str) -> None:

@@ -176,6 +176,16 @@ def config_hash(pool: PoolRef, spec: ExecutorPoolSpec, admin_token: str) -> str:
     return spec_hash({"config": render_admission_config(pool, spec), "token": token_digest})
 
 
+def _strategy(replicas: int) -> Manifest:
+    """One replica: the old pod stops before the new starts (the membership goes through the
+    Service, so two pods would take the executors from each other). Several: one pod at a
+    time is added before one goes; the operator moves executors between them (``shards.py``).
+    The ``None`` deletes the other type's settings in the merge patch."""
+    if replicas <= 1:
+        return {"type": "Recreate", "rollingUpdate": None}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
 def build_admission_deployment(
     pool: PoolRef, spec: ExecutorPoolSpec, *, image: str, admin_token: str
 ) -> Manifest:
@@ -215,8 +225,7 @@ def build_admission_deployment(
         "metadata": object_meta(pool, admission_name(pool.name), COMPONENT_ADMISSION),
         "spec": {
             "replicas": admission.replicas,
-            # Never two admission sessions at once: the old pod stops before the new starts.
-            "strategy": {"type": "Recreate"},
+            "strategy": _strategy(admission.replicas),
             "selector": {"matchLabels": selector_labels(pool, COMPONENT_ADMISSION)},
             "template": {
                 "metadata": {
