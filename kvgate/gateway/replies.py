@@ -130,6 +130,23 @@ class Waiter:
             self.result.set_result(result)
 
 
+def partition_key(request: InferenceRequest, *, idempotent: bool) -> bytes:
+    """The request record's Kafka key, which picks its partition and so the admission replica
+    (shard) that runs it.
+
+    - An idempotent request (a client's ``Idempotency-Key``) is keyed by its id: every copy of
+      an id must reach the partition whose owner answers it once.
+    - Otherwise by its ``affinity_key`` (``prompt_cache_key``, else ``user``) when it has one:
+      a conversation's turns land on one shard, whose placement keeps them on the executor
+      that holds their prefix.
+    - Otherwise by its id (spread evenly). Not by the prompt's first pages: a system prompt
+      every request shares would pile the whole pool onto one partition.
+    """
+    if request.affinity_key is not None and not idempotent:
+        return request.affinity_key.encode()
+    return request.request_id.encode()
+
+
 class ReplyBridge:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -285,14 +302,14 @@ class ReplyBridge:
         look_up_in: str | None,
         headers: list[tuple[str, bytes]] | None = None,
     ) -> None:
-        """Produce ``request`` (keyed by its id, so every copy of an id shares a partition) with
-        ``headers`` (the trace context); with ``look_up_in`` (a results topic) also watch that
-        partition for its answer."""
+        """Produce ``request`` with ``headers`` (the trace context), keyed by
+        ``partition_key``; with ``look_up_in`` (a results topic: the request is idempotent)
+        also watch that partition for its answer."""
         assert self._producer is not None
         sent = await self._producer.send_and_wait(
             topic,
             request.model_dump_json(exclude_none=True).encode(),
-            key=request.request_id.encode(),
+            key=partition_key(request, idempotent=look_up_in is not None),
             headers=headers,
         )
         if look_up_in is not None:

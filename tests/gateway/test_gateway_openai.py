@@ -425,6 +425,44 @@ async def test_retried_id_gets_the_same_answer_after_a_restart_and_elsewhere(
         other.stop()
 
 
+async def test_a_conversation_is_keyed_to_one_shard_and_a_retry_to_its_id(
+    gateway: GatewayProcess, stack: Stack
+) -> None:
+    """The request records' Kafka keys (which pick the partition, so the admission replica):
+    turns under one ``prompt_cache_key`` share it, an idempotent request keeps its id."""
+    conversation = f"conv-{uuid.uuid4().hex}"
+    rid = f"keyed-{uuid.uuid4().hex}"
+    async with client(gateway) as api:
+        for turn in ("hello", "and then?"):
+            await api.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": turn}], max_tokens=2,
+                prompt_cache_key=conversation,
+            )  # fmt: skip
+        await api.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, user=conversation,
+            extra_body={"request_id": rid},
+        )  # fmt: skip
+        answer = await api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    plain = answer.id.removeprefix("cmpl-")
+
+    def keys(records: list[Any]) -> dict[str, bytes]:
+        return {json.loads(r.value)["request_id"]: r.key for r in records}
+
+    def seen(records: list[Any]) -> bool:
+        found = keys(records)
+        return (
+            record_id(rid) in found
+            and plain in found
+            and (sum(1 for k in found.values() if k == conversation.encode()) >= 2)
+        )
+
+    records = await read_topic(stack.bootstrap, topics.REQUESTS, until=seen)
+    by_id = keys(records)
+    assert by_id[record_id(rid)] == record_id(rid).encode()  # idempotent: keyed by its id
+    assert by_id[plain] == plain.encode()
+    assert sum(1 for k in by_id.values() if k == conversation.encode()) == 2
+
+
 @pytest.mark.parametrize("count", [60, 1000])
 async def test_many_concurrent_streams(gateway: GatewayProcess, count: int) -> None:
     limits = {"max_connections": count}
