@@ -5,12 +5,16 @@ session opens, the service fetches it: the first executor's tokenizer (or its ha
 becomes the pool's, and an executor that serves another — a different model, or none where the
 others have one — is not connected; its membership entry says why, and it is retried with the
 usual back-off, so fixing the pool is all it takes. Text prompts that arrive before any executor
-has answered are rejected with that reason. The pool's tokenizer is kept for the life of the
-service: a pool that changes its model restarts its admission service (the operator does).
+has answered wait for one (``limits.tokenizer_wait_s``: a replica that has just started, or
+whose executors are given to it a moment later), then are rejected with that reason. The pool's
+tokenizer is kept for the life of the service: a pool that changes its model restarts its
+admission service (the operator does).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -52,6 +56,7 @@ class PoolTokenizer:
         self._digest: str | None = None
         self._source: str | None = None
         self._codec: FileTokenizer | None = None
+        self._known = asyncio.Event()  # set on the loop once an executor's tokenizer is adopted
 
     @property
     def digest(self) -> str | None:
@@ -78,8 +83,16 @@ class PoolTokenizer:
             if self._digest is None:
                 self._digest, self._source, self._codec = digest, executor, codec
                 log.info("pool tokenizer from %s: %s", executor, _describe(digest))
+                self._known.set()
             elif digest != self._digest:
                 raise TokenizerError(f"executor {executor} disagrees with {self._source}")
+
+    async def known(self, timeout_s: float) -> bool:
+        """Whether the pool's tokenizer is known, waiting up to ``timeout_s`` for it."""
+        if self._digest is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._known.wait(), timeout_s)
+        return self._digest is not None
 
     def _require(self) -> FileTokenizer:
         codec = self._codec

@@ -47,6 +47,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from kvgate.admission_service.engine import Engine
+from kvgate.admission_service.executor_tokenizer import PoolTokenizer
 from kvgate.admission_service.kafka_io import raw_record
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.offsets import PartitionLedger
@@ -126,6 +127,8 @@ class Intake:
             if tokenizer is None
             else TokenizerThreads(tokenizer, settings.limits.tokenizer_threads)
         )
+        # The pool's tokenizer, when it comes from the executors: texts wait until it is known.
+        self._pool_tokenizer = tokenizer if isinstance(tokenizer, PoolTokenizer) else None
         self._tokenizing: set[asyncio.Task[None]] = set()
         self.paused = False
         self._take_overs = TakeOvers(
@@ -241,6 +244,8 @@ class Intake:
         assert self._tokenizer is not None
         try:
             limits = self.settings.limits
+            if self._pool_tokenizer is not None:
+                await self._pool_tokenizer.known(limits.tokenizer_wait_s)
             verdict = await self._tokenizer.call(lambda codec: tokenized(pending, codec, limits))
         except Exception as exc:  # a tokenizer error is about this prompt, never fatal
             verdict = Rejection(
@@ -280,7 +285,11 @@ class Intake:
         self._fetching = False
         self.consumer.pause(*self.consumer.assignment())
         await self._stopped.wait()
-        # Texts being tokenized become requests (or rejections) before the grace period.
+        # Texts being tokenized become requests (or rejections) before the grace period; texts
+        # still waiting for the pool's tokenizer stay unanswered (the next owner reads them).
+        if self._pool_tokenizer is not None and self._pool_tokenizer.digest is None:
+            for task in self._tokenizing:
+                task.cancel()
         await asyncio.gather(*self._tokenizing, return_exceptions=True)
         if self._tokenizer is not None:
             self._tokenizer.close()

@@ -228,6 +228,10 @@ class LimitsSettings(_Section):
     # texts wait for (or are in) tokenization.
     tokenizer_threads: Annotated[int, Field(ge=1, le=64)] = 2
     max_pending_tokenizations: Annotated[int, Field(ge=1)] = 64
+    # A text prompt read before any executor has served the pool's tokenizer (a replica just
+    # started, or given its executors a moment later) waits this long for one, then is
+    # rejected; the waiting texts count towards max_pending_tokenizations.
+    tokenizer_wait_s: PositiveSeconds = 300.0
     # Aborts are remembered this long, for requests that arrive after their abort.
     abort_memory_s: PositiveSeconds = 600.0
     # One answer per request id: an id answered within this window (here, or by an earlier

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from kvgate.admission_service.service import AdmissionService
 from kvgate.admission_service.settings import ServiceSettings, load_settings
@@ -24,7 +26,9 @@ from kvgate.protocol.records import (
     RejectCode,
     ResultStatus,
 )
-from kvgate.sim.backend import LocalConnector, LocalSession, SimExecutorConfig
+from kvgate.sim.backend import LocalConnector, LocalSession, SimBackend, SimExecutorConfig
+from kvgate.sim.server import read_tokenizer_files, sim_step_server
+from tests.admission_service.word_tokenizers import word_tokenizer
 
 from .helpers import reference_outputs, request_body, until
 from .kafka_helpers import (
@@ -368,3 +372,45 @@ async def test_a_drain_migrates_requests_with_their_kv_through_the_whole_service
         assert all(r.scheduling.recomputed_tokens == 0 for r in moved)
     finally:
         await service.shutdown()
+
+
+async def test_a_text_read_before_any_executor_waits_for_the_pools_tokenizer(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """A replica that has partitions but no executor yet (just started, or given its shard a
+    moment later) holds text prompts until an executor serves the pool's tokenizer, instead
+    of rejecting them; token-id prompts are queued meanwhile as always."""
+    backend = SimBackend(SimExecutorConfig())
+    backend.tokenizer_files = read_tokenizer_files(word_tokenizer(tmp_path / "words", 1))
+    server = sim_step_server(backend, "step-token")
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await server.wait_loaded()
+    endpoint = f"ws://127.0.0.1:{runner.addresses[0][1]}/v1/steps"
+    topics = Topics.unique("tokenizer-wait")
+    settings = settings_for(
+        broker,
+        topics,
+        members=[],
+        executors={"token": "step-token", "tokenizer_from_executors": True},
+    )
+    service = AdmissionService(settings)
+    await service.start()
+    try:
+        text = request_body("words", prompt="the cat sat on the mat", max_tokens=3)
+        await produce(broker.bootstrap, topics.requests, [text, request_body("ids")])
+        await until(lambda: service.metrics.received._value.get() >= 2, what="both read")
+        assert service.engine is not None
+        await service.engine.set_members([ExecutorSpec(name="exec", endpoint=endpoint)])
+        results = await read_results(
+            broker.bootstrap, topics.results, 2, read_committed=False, settle_s=0.5
+        )
+        statuses = {r.request_id: (r.status, r.reason) for r in results}
+        assert statuses == {
+            "words": (ResultStatus.COMPLETED, None),
+            "ids": (ResultStatus.COMPLETED, None),
+        }
+    finally:
+        await service.shutdown()
+        await runner.cleanup()

@@ -37,6 +37,7 @@ from tests.cluster.release import (
     install_release,
     pool_manifest,
     pool_ready,
+    pool_status,
     run_requests,
     text_requests,
     uninstall_release,
@@ -190,6 +191,61 @@ def test_rolling_update_of_the_executor_image(
     results = collect(kafka_bootstrap, topics, before + len(requests))
     ids = {request["request_id"] for request in requests}
     answered_once([r for r in results if r.request_id in ids], requests)
+
+
+def _admission_pods(kube: KubeCluster) -> list[dict[str, Any]]:
+    selector = f"kvgate.dev/pool={POOL},app.kubernetes.io/component=admission"
+    items = get_json(kube, "pods", "-n", NAMESPACE, "-l", selector)["items"]
+    return [pod for pod in items if not pod["metadata"].get("deletionTimestamp")]
+
+
+def _shards(kube: KubeCluster) -> dict[str, set[str]]:
+    """Admission pod -> the executors the pool's status says it drives."""
+    shards: dict[str, set[str]] = {}
+    for entry in pool_status(kube).get("executors", []):
+        if entry.get("admission"):
+            shards.setdefault(entry["admission"], set()).add(entry["name"])
+    return shards
+
+
+def test_two_admission_replicas_and_one_killed(
+    kube: KubeCluster, release: Path, kafka_bootstrap: str, topics: dict[str, str]
+) -> None:
+    """``spec.admission.replicas: 2``: each replica drives one of the two executors; one
+    admission pod is killed (deleted with no grace period) under load, the other takes its
+    executor and partitions, and every request is answered once."""
+    patch = {"spec": {"admission": {"replicas": 2}}}
+    kube.kubectl(
+        "patch", "executorpool", POOL, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch)
+    )
+
+    def split() -> dict[str, set[str]] | None:
+        names = {pod["metadata"]["name"] for pod in _admission_pods(kube)}
+        shards = _shards(kube)
+        ok = len(names) == 2 and set(shards) == names and all(len(v) == 1 for v in shards.values())
+        return shards if ok and pool_ready(kube, 2) else None
+
+    shards = wait_for(split, "one executor per admission replica", timeout_s=240)
+    before = len(collect(kafka_bootstrap, topics, 0, timeout_s=30))
+    requests = text_requests(40, max_tokens=24)
+    run_requests(kafka_bootstrap, topics, requests[:20])
+    victim = sorted(shards)[0]
+    killed_at = time.monotonic()
+    kube.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--grace-period=0", "--force")
+    run_requests(kafka_bootstrap, topics, requests[20:])
+    results = collect(kafka_bootstrap, topics, before + len(requests), timeout_s=240)
+    answered_s = time.monotonic() - killed_at
+    ids = {request["request_id"] for request in requests}
+    answered_once([r for r in results if r.request_id in ids], requests)
+    # The victim's executor was driven by a survivor meanwhile, then shared out again.
+    print(f"admission pod killed: every request answered {answered_s:.1f} s after the kill")
+    wait_for(split, "the replacement replica's share", timeout_s=240)
+    kube.kubectl(
+        "patch", "executorpool", POOL, "-n", NAMESPACE, "--type=merge",
+        "-p", json.dumps({"spec": {"admission": {"replicas": 1}}}),
+    )  # fmt: skip
+    wait_for(lambda: len(_admission_pods(kube)) == 1, "back to one admission pod", timeout_s=120)
+    wait_for(lambda: pool_ready(kube, 2), "the pool Ready on one admission replica")
 
 
 def test_helm_upgrade_and_rollback(
