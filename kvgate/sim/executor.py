@@ -60,6 +60,7 @@ class _ContextFold:
     blocks: list[int] = field(default_factory=list)
     digests: list[int] = field(default_factory=list)
     folds: list[int] = field(default_factory=list)  # folds[k]: after k full pages
+    changes: int = -1  # the executor's count of changed pages when the digests were checked
     partial_block: int = -1
     partial_start: int = 0
     partial_values: list[int] = field(default_factory=list)
@@ -141,6 +142,9 @@ class SimExecutor:
         self.num_planes = model.loops
         self.executor_id = executor_id
         self._kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        # Writes to a page whose digest was known (a digest dropped): while this count stays, the
+        # digests a context fold checked are still the pages' (``_context``).
+        self._page_changes = 0
         self._digests: list[int | None] = [None] * num_blocks
         self._requests: dict[str, _SimRequest] = {}
         self._snapshots: dict[str, _Snapshot] = {}
@@ -353,7 +357,7 @@ class SimExecutor:
         for plane, ids in enumerate(block_ids):
             for page, block in enumerate(ids):
                 self._kv[block] = list(snapshot.values[plane][page])
-                self._digests[block] = None
+                self._drop_digest(block)
         snapshot.request.tables = [list(ids) for ids in block_ids]
         self._requests[request_id] = snapshot.request
 
@@ -375,7 +379,12 @@ class SimExecutor:
     def _write(self, request: _SimRequest, plane: int, position: int, value: int) -> None:
         block, offset = self._slot(request, plane, position)
         self._kv[block][offset] = value
-        self._digests[block] = None
+        self._drop_digest(block)
+
+    def _drop_digest(self, block: int) -> None:
+        if self._digests[block] is not None:
+            self._digests[block] = None
+            self._page_changes += 1
 
     def _context(self, request: _SimRequest, plane: int, position: int) -> int:
         """Digest of plane ``plane`` over positions ``[0, position)`` read through the table:
@@ -394,7 +403,10 @@ class SimExecutor:
         if (
             kept > full_pages
             or table[:kept] != memo.blocks
-            or [digests[block] for block in memo.blocks] != memo.digests
+            or (
+                memo.changes != self._page_changes
+                and list(map(digests.__getitem__, memo.blocks)) != memo.digests
+            )
         ):
             kept = 0
             while (
@@ -421,6 +433,7 @@ class SimExecutor:
             memo.blocks.append(block)
             memo.digests.append(digest)
             memo.folds.append(h)
+        memo.changes = self._page_changes
         if partial == 0:
             return h
         block = table[full_pages]
@@ -457,7 +470,12 @@ class SimExecutor:
             else self._read(request, depth - 1, position)
         )
         value = mix3(hidden, depth, self._context(request, depth, position))
-        self._write(request, depth, position, value)
+        page, offset = divmod(position, self.block_size)  # _write, inlined: the hot path
+        block = request.tables[depth - 1][page]
+        self._kv[block][offset] = value
+        if self._digests[block] is not None:  # _drop_digest, inlined
+            self._digests[block] = None
+            self._page_changes += 1
         return value
 
     def _copy_deeper(self, request: _SimRequest, position: int, depth: int, value: int) -> None:

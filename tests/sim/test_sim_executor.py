@@ -167,3 +167,55 @@ def test_bad_plans_are_rejected_with_a_reason_and_change_nothing(
         StepPlan(step_id=3, decode=DecodeRows(request_ids=["a"], positions=[3], depths=[1]))
     )
     assert ok.error is None and ok.decode.request_ids == ["a"]
+
+
+class _Corrupting:
+    """``SimExecutor`` that, after each step, changes one K/V slot of a full page some request
+    attends to, checks that request's context against a fold from scratch, and puts it back."""
+
+    def __init__(self, inner: SimExecutor) -> None:
+        self.inner = inner
+        self.info = inner.info
+        self.checked = 0
+
+    @property
+    def counters(self) -> object:
+        return self.inner.counters
+
+    def execute(self, plan: StepPlan) -> object:
+        result = self.inner.execute(plan)
+        sim = self.inner
+        for request in list(sim._requests.values()):
+            position = request.cursor_position
+            if position < 2 * sim.block_size or not request.tables[0]:
+                continue
+            sim._context(request, 1, position)  # the fold is remembered
+            block = request.tables[0][0]
+            before = sim._kv[block][0]
+            assert before is not None
+            sim._kv[block][0] = before ^ 1  # a corruption, as a wrong write would leave it
+            sim._drop_digest(block)
+            memo = request.context_folds.pop(1)
+            fresh = sim._context(request, 1, position)
+            request.context_folds[1] = memo
+            assert sim._context(request, 1, position) == fresh, "a stale fold was reused"
+            sim._kv[block][0] = before
+            sim._drop_digest(block)
+            self.checked += 1
+            break
+        return result
+
+
+def test_a_remembered_context_fold_never_outlives_a_change_of_its_pages() -> None:
+    workload = _workload(ExitMode.FIXED, PreemptionMode.AUTO, Mode.MIXED, True)
+    executor = _Corrupting(
+        SimExecutor(
+            workload.model,
+            num_blocks=workload.cache.num_blocks,
+            block_size=workload.cache.block_size,
+            host_snapshot_blocks=workload.cache.host_snapshot_blocks,
+        )
+    )
+    run = run_once(workload, executor=executor)  # type: ignore[arg-type]
+    assert executor.checked > 10
+    assert all(o.status == "finished" for o in run.outcomes.values())
