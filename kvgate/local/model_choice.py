@@ -13,7 +13,8 @@ compare against); ``--dtype auto`` keeps its weights in the file's block formats
 for the packaged SmolLM2, multiplied by the int8 kernels): a fifth of the memory and, measured
 on CPU (docs/benchmarks.md), faster at every batch size. It is not the default because its int8
 activations (llama.cpp's rounding) flip a near tie in the demo's chat prompt: "What is the
-capital of France?" is answered "L'Étoile, ..." instead of "Paris".
+capital of France?" is answered "L'Étoile, ..." instead of "Paris" (llama.cpp answers the same on
+this file: its rounding, not the kernels).
 
 The name clients call the model (the OpenAI ``model``, the spans' ``gen_ai.request.model``)
 follows from the choice, here and nowhere else.
