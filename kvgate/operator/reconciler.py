@@ -116,6 +116,60 @@ class Blocked(Exception):
         self.message = message
 
 
+class AdmissionCalls(Protocol):
+    """What ``_act`` tells the pool's admission service: one, or several replicas."""
+
+    async def drain(self, name: str) -> None: ...
+
+    async def update(self, plan: planner.Plan) -> list[str]:
+        """Send the membership the plan asks for; the messages of the Events to post."""
+        ...
+
+
+@dataclass(frozen=True)
+class OneService:
+    """One admission replica, reached through the pool's admission Service."""
+
+    admin: AdminClient
+
+    async def drain(self, name: str) -> None:
+        await self.admin.drain(name)
+
+    async def update(self, plan: planner.Plan) -> list[str]:
+        if plan.membership is None:
+            return []
+        await self.admin.set_membership(ExecutorSet(executors=list(plan.membership)))
+        return [f"executors: {', '.join(e.name for e in plan.membership) or 'none'}"]
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Several replicas, each on its pod IP: a drain goes to the replica that holds the
+    executor; the membership is shared out by ``shard`` in two rounds (every release before
+    any executor is given to another replica, ``shards.py``)."""
+
+    shard: shards.ShardPlan
+    replicas: Sequence[shards.Replica]
+    admins: Mapping[str, AdminClient]
+
+    async def drain(self, name: str) -> None:
+        for replica in self.replicas:
+            if replica.live and name in replica.holds():
+                await self.admins[replica.name].drain(name)
+
+    async def update(self, plan: planner.Plan) -> list[str]:
+        shard = self.shard
+        for name, kept in shard.releases.items():
+            await self.admins[name].set_membership(ExecutorSet(executors=list(kept)))
+        messages = []
+        for name in shard.pushes:
+            members = shard.memberships[name]
+            if shard.releases.get(name) != members:
+                await self.admins[name].set_membership(ExecutorSet(executors=list(members)))
+            messages.append(f"{name} drives: {', '.join(e.name for e in members) or 'none'}")
+        return messages
+
+
 class Reconciler:
     def __init__(
         self,
@@ -202,16 +256,14 @@ class Reconciler:
             )
         )
         shard = None
-        if admissions is None:
-            await self._act(plan, raw=raw, ref=ref, spec=spec, admin=admin, now=now)
-        else:
+        calls: AdmissionCalls = OneService(admin)
+        if admissions is not None:
             shard = shards.split(plan.members, admissions)
             admins = {
                 r.name: self._admin_client(r.url, token) for r in admissions if r.url is not None
             }
-            await self._act_sharded(
-                plan, shard, admissions, admins, raw=raw, ref=ref, spec=spec, now=now
-            )
+            calls = Shards(shard, admissions, admins)
+        await self._act(plan, calls, raw=raw, ref=ref, spec=spec, now=now)
         status = pool_status(
             pool, plan, now, autoscaling=scaling, owners=shard.owners if shard else None
         )
@@ -365,11 +417,11 @@ class Reconciler:
     async def _act(
         self,
         plan: planner.Plan,
+        admission: AdmissionCalls,
         *,
         raw: RawObject,
         ref: PoolRef,
         spec: ExecutorPoolSpec,
-        admin: AdminClient,
         now: datetime,
     ) -> None:
         """Drain, then update membership, then delete, then create: a pod leaves the
@@ -379,18 +431,11 @@ class Reconciler:
                 mark = {"metadata": {"annotations": {ANNOTATION_DRAINING_SINCE: now.isoformat()}}}
                 if not await self._kube.merge_patch(PODS, ref.namespace, drain.name, mark):
                     continue  # gone meanwhile: nothing to drain
-            await admin.drain(drain.name)
+            await admission.drain(drain.name)
             if drain.mark:
                 self._event(raw, "Normal", "DrainStarted", f"draining {drain.name} ({drain.cause})")
-        if plan.membership is not None:
-            await admin.set_membership(ExecutorSet(executors=list(plan.membership)))
-            names = ", ".join(e.name for e in plan.membership) or "none"
-            self._event(raw, "Normal", "MembershipUpdated", f"executors: {names}")
-        await self._replace_pods(plan, raw=raw, ref=ref, spec=spec)
-
-    async def _replace_pods(
-        self, plan: planner.Plan, *, raw: RawObject, ref: PoolRef, spec: ExecutorPoolSpec
-    ) -> None:
+        for message in await admission.update(plan):
+            self._event(raw, "Normal", "MembershipUpdated", message)
         for deletion in plan.deletions:
             if await self._kube.delete(PODS, ref.namespace, deletion.name, uid=deletion.uid):
                 self._event(raw, *deletion_event(deletion, spec))
@@ -398,41 +443,6 @@ class Reconciler:
             pod = build_executor_pod(ref, spec, slot)
             if await self._write(self._kube.create(PODS, ref.namespace, pod), pod):
                 self._event(raw, "Normal", "ExecutorCreated", f"created {pod['metadata']['name']}")
-
-    async def _act_sharded(
-        self,
-        plan: planner.Plan,
-        shard: shards.ShardPlan,
-        replicas: Sequence[shards.Replica],
-        admins: Mapping[str, AdminClient],
-        *,
-        raw: RawObject,
-        ref: PoolRef,
-        spec: ExecutorPoolSpec,
-        now: datetime,
-    ) -> None:
-        """``_act`` for several admission replicas: a drain goes to the replica that holds the
-        executor; the membership is shared out by ``shard`` in two rounds (every release
-        before any executor is given to another replica), then pods go and come."""
-        for drain in plan.drains:
-            if drain.mark:
-                mark = {"metadata": {"annotations": {ANNOTATION_DRAINING_SINCE: now.isoformat()}}}
-                if not await self._kube.merge_patch(PODS, ref.namespace, drain.name, mark):
-                    continue
-            for replica in replicas:
-                if replica.live and drain.name in replica.holds():
-                    await admins[replica.name].drain(drain.name)
-            if drain.mark:
-                self._event(raw, "Normal", "DrainStarted", f"draining {drain.name} ({drain.cause})")
-        for name, kept in shard.releases.items():
-            await admins[name].set_membership(ExecutorSet(executors=list(kept)))
-        for name in shard.pushes:
-            members = shard.memberships[name]
-            if shard.releases.get(name) != members:
-                await admins[name].set_membership(ExecutorSet(executors=list(members)))
-            names = ", ".join(e.name for e in members) or "none"
-            self._event(raw, "Normal", "MembershipUpdated", f"{name} drives: {names}")
-        await self._replace_pods(plan, raw=raw, ref=ref, spec=spec)
 
     def _event(self, raw: RawObject, type: str, reason: str, message: str) -> None:
         self._events(raw, type=type, reason=reason, message=message)

@@ -205,3 +205,14 @@ def assert_idle(
         poll(idle, "the stack to hold nothing", timeout_s)
     except AssertionError:
         raise AssertionError(f"left behind after the workload: {busy}") from None
+
+
+def owned_partitions(service: Service) -> set[int]:
+    """Request partitions ``service`` has read from (its consumer-lag gauge's labels)."""
+    samples = parse_metrics(service.metrics())
+    prefix = 'kvgate_admission_consumer_lag{partition="'
+    return {int(head[len(prefix) :].split('"')[0]) for head in samples if head.startswith(prefix)}
+
+
+def logged(service: Service, text: str) -> bool:
+    return text in service.process.log_tail(1_000_000)

@@ -30,7 +30,7 @@ from kvgate.protocol.admin import ExecutorSet, ExecutorSpec
 from kvgate.sim.backend import SimExecutorConfig
 from tests.admission_service.kafka_helpers import read_all
 from tests.integration.admission_stack import ADMIN_TOKEN, Service, SimExecutor
-from tests.reliability.cluster import Cluster
+from tests.reliability.cluster import Cluster, logged, owned_partitions
 from tests.reliability.figures import Figures
 from tests.reliability.processes import parse_metrics, poll
 from tests.reliability.traffic import read_answers
@@ -101,17 +101,6 @@ class Keeper:
                 await self._task
 
 
-def _owned(service: Service) -> set[int]:
-    """Request partitions ``service`` reads (its consumer-lag gauge's labels)."""
-    samples = parse_metrics(service.metrics())
-    prefix = 'kvgate_admission_consumer_lag{partition="'
-    return {int(head[len(prefix) :].split('"')[0]) for head in samples if head.startswith(prefix)}
-
-
-def _logged(service: Service, text: str) -> bool:
-    return text in service.process.log_tail(1_000_000)
-
-
 def _driven(service: Service) -> set[str]:
     """Executors ``service`` has a session with (its executor-state gauge says ready)."""
     samples = parse_metrics(service.metrics())
@@ -142,15 +131,15 @@ async def test_a_killed_replicas_executors_and_partitions_move_and_nothing_is_lo
 
         def shared() -> bool:
             drives = [_driven(s) for s in (doomed, survivor)]
-            taken = [_logged(s, "assigned at offset") for s in (doomed, survivor)]
+            taken = [logged(s, "assigned at offset") for s in (doomed, survivor)]
             return all(len(d) == 2 for d in drives) and all(taken)
 
         await asyncio.to_thread(poll, shared, "two executors and some partitions each", 60)
         doomed_executors = set(keeper.memberships["replica-a"])
         await cluster.send_requests(bodies)
         await read_answers(cluster.bootstrap, cluster.topics.results, requests // 8, settle_s=0)
-        doomed_partitions = await asyncio.to_thread(_owned, doomed)
-        assert doomed_partitions and not doomed_partitions & _owned(survivor)
+        doomed_partitions = await asyncio.to_thread(owned_partitions, doomed)
+        assert doomed_partitions and not doomed_partitions & owned_partitions(survivor)
         for service in (doomed, survivor):
             held = await asyncio.to_thread(service.metric, "kvgate_admission_requests_in_flight")
             assert held > 0, f"{service.process.name} must be busy when one of them dies"
@@ -159,7 +148,7 @@ async def test_a_killed_replicas_executors_and_partitions_move_and_nothing_is_lo
         doomed.process.signal(signal.SIGKILL)
         summary = await cluster.verify(reference, [survivor], executors)
         assert summary.completed == requests
-        assert await asyncio.to_thread(_owned, survivor) == set(range(PARTITIONS))
+        assert await asyncio.to_thread(owned_partitions, survivor) == set(range(PARTITIONS))
         assert await asyncio.to_thread(_driven, survivor) == {e.process.name for e in executors}
         results, _ = await cluster.answers(settle_s=0)
         # The dead replica's executors served the survivor's requests after the kill.

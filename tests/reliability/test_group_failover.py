@@ -14,9 +14,8 @@ import signal
 import pytest
 
 from kvgate.sim.backend import SimExecutorConfig
-from tests.integration.admission_stack import Service
-from tests.reliability.cluster import Cluster
-from tests.reliability.processes import parse_metrics, poll
+from tests.reliability.cluster import Cluster, logged, owned_partitions
+from tests.reliability.processes import poll
 from tests.reliability.traffic import read_answers
 from tests.reliability.workloads import mixed_bodies, sim_reference
 
@@ -24,17 +23,6 @@ pytestmark = pytest.mark.timeout(420, func_only=True)
 
 GEOMETRY = {"num_blocks": 128, "block_size": 8}
 PARTITIONS = 4
-
-
-def _owned(service: Service) -> set[int]:
-    """Request partitions ``service`` has read from (its consumer-lag gauge's labels)."""
-    samples = parse_metrics(service.metrics())
-    prefix = 'kvgate_admission_consumer_lag{partition="'
-    return {int(head[len(prefix) :].split('"')[0]) for head in samples if head.startswith(prefix)}
-
-
-def _logged(service: Service, text: str) -> bool:
-    return text in service.process.log_tail(1_000_000)
 
 
 @pytest.mark.parametrize("requests", [80, pytest.param(400, marks=pytest.mark.slow, id="full")])
@@ -49,9 +37,9 @@ async def test_killed_instance_partitions_move_and_requests_complete_once(
     doomed = cluster.service("service-a", cluster.settings([exec_a], kafka=kafka))
     survivor = cluster.service("service-b", cluster.settings([exec_b], kafka=kafka))
     # The group has split the partitions between them before any request is produced.
-    await asyncio.to_thread(poll, lambda: _logged(doomed, "revoked"), "the first rebalance")
+    await asyncio.to_thread(poll, lambda: logged(doomed, "revoked"), "the first rebalance")
     await asyncio.to_thread(
-        poll, lambda: _logged(survivor, "assigned at offset"), "the second instance's share"
+        poll, lambda: logged(survivor, "assigned at offset"), "the second instance's share"
     )
     await cluster.send_requests(bodies)
     await read_answers(cluster.bootstrap, cluster.topics.results, requests // 8, settle_s=0)
@@ -62,6 +50,6 @@ async def test_killed_instance_partitions_move_and_requests_complete_once(
     doomed.process.signal(signal.SIGKILL)
     summary = await cluster.verify(reference, [survivor], [exec_a, exec_b])
     assert summary.completed == requests
-    assert await asyncio.to_thread(_owned, survivor) == set(range(PARTITIONS))
+    assert await asyncio.to_thread(owned_partitions, survivor) == set(range(PARTITIONS))
     results, _ = await cluster.answers(settle_s=0)
     assert {r.scheduling.executors[-1] for r in results} == {"exec-a", "exec-b"}
