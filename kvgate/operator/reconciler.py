@@ -154,7 +154,7 @@ class Shards:
 
     async def drain(self, name: str) -> None:
         for replica in self.replicas:
-            if replica.live and name in replica.holds():
+            if replica.live and name in replica.held:
                 await self.admins[replica.name].drain(name)
 
     async def update(self, plan: planner.Plan) -> list[str]:

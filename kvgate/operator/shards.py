@@ -36,7 +36,8 @@ update) stay with their holder, as one service would keep them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 from kvgate.protocol.admin import (
     ExecutorMembership,
@@ -61,7 +62,9 @@ class Replica:
     def live(self) -> bool:
         return self.ready and self.url is not None and self.reading is not None
 
-    def holds(self) -> dict[str, ExecutorStatus]:
+    @cached_property
+    def held(self) -> Mapping[str, ExecutorStatus]:
+        """The executors its membership lists, by name."""
         return {e.name: e for e in self.reading.executors} if self.reading is not None else {}
 
 
@@ -75,7 +78,6 @@ class ShardPlan:
     pushes: tuple[str, ...]  # live replicas whose membership differs from what they report
     moving: tuple[str, ...]  # executors draining on one replica before they go to another
     live: tuple[str, ...]
-    problems: tuple[str, ...] = field(default=())
 
     @property
     def settled(self) -> bool:
@@ -86,7 +88,7 @@ def _holders(live: Sequence[Replica]) -> dict[str, str]:
     """executor -> the live replica that holds it; a connected holder wins over a fenced one."""
     candidates: dict[str, list[tuple[bool, str]]] = {}
     for replica in live:
-        for name, status in replica.holds().items():
+        for name, status in replica.held.items():
             candidates.setdefault(name, []).append(
                 (status.state is ExecutorState.LOST, replica.name)
             )
@@ -140,15 +142,15 @@ def _owners(
 def split(desired: Sequence[ExecutorSpec], replicas: Sequence[Replica]) -> ShardPlan:
     """Each live replica's membership for the pool membership ``desired`` (module doc)."""
     live = [r for r in replicas if r.live]
-    problems = tuple(f"{r.name}: {r.problem}" for r in replicas if r.problem)
     if not live:
-        return ShardPlan({}, {}, {}, (), (), (), problems)
+        return ShardPlan({}, {}, {}, (), (), ())
     names = [e.name for e in desired]
     specs = {e.name: e for e in desired}
     pool_draining = {e.name for e in desired if e.draining}
     holders = _holders(live)
+    by_name = {r.name: r for r in live}
     shard_draining = {
-        r.name: {n for n, s in r.holds().items() if n not in pool_draining and s.state in _DRAINING}
+        r.name: {n for n, s in r.held.items() if n not in pool_draining and s.state in _DRAINING}
         for r in live
     }
     owners = _owners(names, pool_draining, holders, shard_draining, [r.name for r in live])
@@ -157,7 +159,7 @@ def split(desired: Sequence[ExecutorSpec], replicas: Sequence[Replica]) -> Shard
     for name in names:
         holder, owner = holders.get(name), owners.get(name)
         if holder is not None and holder != owner:
-            status = _status(live, holder, name)
+            status = by_name[holder].held.get(name)
             if status is not None and _busy(status):
                 memberships[holder].append(specs[name].model_copy(update={"draining": True}))
                 moving.append(name)
@@ -167,11 +169,11 @@ def split(desired: Sequence[ExecutorSpec], replicas: Sequence[Replica]) -> Shard
             memberships[owner].append(specs[name])
     releases: dict[str, tuple[ExecutorSpec, ...]] = {}
     for r in live:
-        held = r.holds()
+        held = r.held
         kept = tuple(e for e in memberships[r.name] if e.name in held)
         if _view(kept) != _view(held.values()):
             releases[r.name] = kept
-    pushes = tuple(r.name for r in live if _view(r.holds().values()) != _view(memberships[r.name]))
+    pushes = tuple(r.name for r in live if _view(r.held.values()) != _view(memberships[r.name]))
     return ShardPlan(
         owners=owners,
         memberships={r: tuple(specs) for r, specs in memberships.items()},
@@ -179,18 +181,10 @@ def split(desired: Sequence[ExecutorSpec], replicas: Sequence[Replica]) -> Shard
         pushes=pushes,
         moving=tuple(moving),
         live=tuple(r.name for r in live),
-        problems=problems,
     )
 
 
 _DRAINING = (ExecutorState.DRAINING, ExecutorState.DRAINED)
-
-
-def _status(live: Sequence[Replica], replica: str, name: str) -> ExecutorStatus | None:
-    for r in live:
-        if r.name == replica:
-            return r.holds().get(name)
-    return None
 
 
 def _busy(status: ExecutorStatus) -> bool:
@@ -218,8 +212,8 @@ def merged(replicas: Sequence[Replica]) -> ExecutorMembership | None:
     live = [r for r in replicas if r.live]
     if not live:
         return None
-    holders = _holders(live)
-    statuses = [_status(live, holder, name) for name, holder in sorted(holders.items())]
+    by_name = {r.name: r for r in live}
+    statuses = [by_name[holder].held.get(name) for name, holder in sorted(_holders(live).items())]
     queues = [r.reading.queue for r in live if r.reading is not None and r.reading.queue]
     queue = None
     if queues:
