@@ -264,9 +264,7 @@ class Reconciler:
             }
             calls = Shards(shard, admissions, admins)
         await self._act(plan, calls, raw=raw, ref=ref, spec=spec, now=now)
-        status = pool_status(
-            pool, plan, now, autoscaling=scaling, owners=shard.owners if shard else None
-        )
+        status = pool_status(pool, plan, now, autoscaling=scaling, shard=shard)
         await self._write_status(pool, status)
         sync_s = None if spec.autoscaling is None else float(spec.autoscaling.sync_period_seconds)
         moving = shard is not None and bool(shard.moving)

@@ -5,7 +5,6 @@ Pure functions of what the pass observed and planned; the reconciler writes and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -18,6 +17,7 @@ from kvgate.operator.naming import (
 )
 from kvgate.operator.observe import ObservedPool
 from kvgate.operator.planner import Cause, Deletion, Plan, Removal
+from kvgate.operator.shards import ShardPlan
 from kvgate.operator.status import (
     AutoscalingStatus,
     ConditionStatus,
@@ -48,11 +48,17 @@ def pool_status(
     now: datetime,
     *,
     autoscaling: AutoscalingStatus | None = None,
-    owners: Mapping[str, str] | None = None,
+    shard: ShardPlan | None = None,
 ) -> PoolStatus:
-    """The status of ``plan``; ``owners``: which admission replica drives each executor."""
+    """The status of ``plan``; ``shard``: how several admission replicas share the executors."""
     selector = executor_selector(pool.name)
     updates = conditions(plan)
+    owners = shard.owners if shard is not None else None
+    if shard is not None and plan.members_known and not plan.input.admission_paused:
+        updates = tuple(
+            _sharded_condition(plan, shard) if u.type is ConditionType.ADMISSION_SYNCED else u
+            for u in updates
+        )
     if autoscaling is not None:
         updates = (*updates, _autoscaling_condition(autoscaling))
     return PoolStatus(
@@ -205,6 +211,30 @@ def _admission_condition(plan: Plan) -> ConditionUpdate:
         status=ConditionStatus.TRUE,
         reason="MembershipSynced",
         message=f"{plan.desired_members} executors in the admission service's membership",
+    )
+
+
+def _sharded_condition(plan: Plan, shard: ShardPlan) -> ConditionUpdate:
+    """AdmissionSynced of several replicas: how the executors are shared, and which live
+    replicas drive none (their partitions' requests wait until one is theirs)."""
+    driving = set(shard.owners.values())
+    idle = [replica for replica in shard.live if replica not in driving]
+    shared = f"{len(shard.owners)} executors shared by {len(shard.live)} admission replicas"
+    if idle and plan.desired_members > 0:
+        return ConditionUpdate(
+            type=ConditionType.ADMISSION_SYNCED,
+            status=ConditionStatus.TRUE,
+            reason="ReplicasWithoutExecutors",
+            message=(
+                f"{shared}; {', '.join(idle)} drive none (more replicas than executors): the "
+                "requests of their partitions wait"
+            ),
+        )
+    return ConditionUpdate(
+        type=ConditionType.ADMISSION_SYNCED,
+        status=ConditionStatus.TRUE,
+        reason="MembershipSynced",
+        message=shared,
     )
 
 

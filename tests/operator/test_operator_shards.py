@@ -10,10 +10,11 @@ against three fake admin APIs, one per admission pod, through a join and a death
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -283,9 +284,11 @@ async def _admission_pod(cluster: Cluster, name: str, ip: str, ready: bool = Tru
     )
 
 
-async def test_the_reconciler_shares_executors_out_and_moves_them_safely(
+@contextlib.asynccontextmanager
+async def _passes(
     cluster: Cluster, kube: KubeEmulator, admissions: Admissions
-) -> None:
+) -> AsyncIterator[Callable[[int], Awaitable[None]]]:
+    """``passes(n)``: n reconcile passes of the real reconciler, each pod started after."""
     template = "http://{pod_ip}:" + admissions.pods["pool-admission-a"].url.rsplit(":", 1)[1]
     config = OperatorConfig(
         admin_url_template="http://127.0.0.1:9/unused",
@@ -298,8 +301,6 @@ async def test_the_reconciler_shares_executors_out_and_moves_them_safely(
         return kopf.ConnectionInfo(server=str(kube.url))
 
     kube_api = KubeApi(login, timeout_s=5)
-    a, b, c = (admissions.pods[f"pool-admission-{x}"] for x in "abc")
-    held = lambda api: sorted(api.members)  # noqa: E731
     async with aiohttp.ClientSession() as session:
         reconciler = Reconciler(kube_api, session, config, lambda *_, **__: None)
 
@@ -309,52 +310,80 @@ async def test_the_reconciler_shares_executors_out_and_moves_them_safely(
                 await cluster.wait_for(lambda: not cluster.kubelet.pending())
 
         try:
-            await cluster.create(pool_manifest(replicas=4, admission={"replicas": 3}))
-            await passes(1)
-            for name in ("pool-admission-a", "pool-admission-b"):
-                await _admission_pod(cluster, name, admissions.ips[name])
-            await passes()
-            executors = [f"pool-{i}" for i in range(4)]
-            assert sorted(held(a) + held(b)) == executors
-            assert len(held(a)) == len(held(b)) == 2
-            status = cluster.status()
-            assert {e["name"]: e["admission"] for e in status["executors"]} == {
-                **dict.fromkeys(held(a), "pool-admission-a"),
-                **dict.fromkeys(held(b), "pool-admission-b"),
-            }
-
-            # c joins while every executor is busy: one of a's or b's drains first.
-            for api in (a, b):
-                for name in held(api):
-                    api.set_running(name, 2)
-            await _admission_pod(cluster, "pool-admission-c", admissions.ips["pool-admission-c"])
-            await passes(2)
-            assert held(c) == []
-            draining = [
-                (api, n)
-                for api in (a, b)
-                for n, m in api.members.items()
-                if m.state is ExecutorState.DRAINING
-            ]
-            assert len(draining) == 1
-            giver, moving = draining[0]
-            giver.set_running(moving, 0)
-            await passes(2)
-            assert held(c) == [moving] and moving not in held(giver)
-            released = max(call.seq for call in giver.calls("PUT") if moving not in str(call.body))
-            given = min(call.seq for call in c.calls("PUT") if moving in str(call.body))
-            assert released < given  # the old replica let go before the new one was told
-
-            # b dies: its executors go to a and c without a drain.
-            b_had = held(b)
-            for name in b_had:
-                b.set_running(name, 3)
-            await _admission_pod(
-                cluster, "pool-admission-b", admissions.ips["pool-admission-b"], ready=False
-            )
-            await passes(1)
-            assert sorted(held(a) + held(c)) == executors
-            assert abs(len(held(a)) - len(held(c))) <= 1
-            assert set(b_had) <= set(held(a) + held(c))
+            yield passes
         finally:
             await kube_api.close()
+
+
+async def test_a_replica_without_executors_is_named_in_the_status(
+    cluster: Cluster, kube: KubeEmulator, admissions: Admissions
+) -> None:
+    async with _passes(cluster, kube, admissions) as passes:
+        await cluster.create(pool_manifest(replicas=1, admission={"replicas": 2}))
+        await passes(1)
+        for name in ("pool-admission-a", "pool-admission-b"):
+            await _admission_pod(cluster, name, admissions.ips[name])
+        await passes(6)
+        synced = cluster.condition("AdmissionSynced")
+        assert synced["reason"] == "ReplicasWithoutExecutors", synced
+        assert "pool-admission-b drive none" in synced["message"]
+        await cluster.patch_spec("pool", {"replicas": 2})
+        await passes(6)
+        synced = cluster.condition("AdmissionSynced")
+        assert synced["reason"] == "MembershipSynced", synced
+        assert synced["message"] == "2 executors shared by 2 admission replicas"
+
+
+async def test_the_reconciler_shares_executors_out_and_moves_them_safely(
+    cluster: Cluster, kube: KubeEmulator, admissions: Admissions
+) -> None:
+    a, b, c = (admissions.pods[f"pool-admission-{x}"] for x in "abc")
+    held = lambda api: sorted(api.members)  # noqa: E731
+    async with _passes(cluster, kube, admissions) as passes:
+        await cluster.create(pool_manifest(replicas=4, admission={"replicas": 3}))
+        await passes(1)
+        for name in ("pool-admission-a", "pool-admission-b"):
+            await _admission_pod(cluster, name, admissions.ips[name])
+        await passes()
+        executors = [f"pool-{i}" for i in range(4)]
+        assert sorted(held(a) + held(b)) == executors
+        assert len(held(a)) == len(held(b)) == 2
+        status = cluster.status()
+        assert {e["name"]: e["admission"] for e in status["executors"]} == {
+            **dict.fromkeys(held(a), "pool-admission-a"),
+            **dict.fromkeys(held(b), "pool-admission-b"),
+        }
+
+        # c joins while every executor is busy: one of a's or b's drains first.
+        for api in (a, b):
+            for name in held(api):
+                api.set_running(name, 2)
+        await _admission_pod(cluster, "pool-admission-c", admissions.ips["pool-admission-c"])
+        await passes(2)
+        assert held(c) == []
+        draining = [
+            (api, n)
+            for api in (a, b)
+            for n, m in api.members.items()
+            if m.state is ExecutorState.DRAINING
+        ]
+        assert len(draining) == 1
+        giver, moving = draining[0]
+        giver.set_running(moving, 0)
+        await passes(2)
+        assert held(c) == [moving] and moving not in held(giver)
+        released = max(call.seq for call in giver.calls("PUT") if moving not in str(call.body))
+        given = min(call.seq for call in c.calls("PUT") if moving in str(call.body))
+        assert released < given  # the old replica let go before the new one was told
+
+        # b dies: its executors go to a and c without a drain.
+        b_had = held(b)
+        for name in b_had:
+            b.set_running(name, 3)
+        await _admission_pod(
+            cluster, "pool-admission-b", admissions.ips["pool-admission-b"], ready=False
+        )
+        await passes(1)
+        assert sorted(held(a) + held(c)) == executors
+        assert abs(len(held(a)) - len(held(c))) <= 1
+        assert set(b_had) <= set(held(a) + held(c))
