@@ -49,7 +49,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from benchmarks.bench_step_path import TOKEN
 from kvgate.operator import shards
 from kvgate.operator.admin import AdminClient, AdminRejected, AdminUnavailable
-from kvgate.protocol.admin import ExecutorSet, ExecutorSpec
+from kvgate.operator.reconciler import Shards
+from kvgate.protocol.admin import ExecutorSpec
 
 ADMIN_TOKEN = "bench-fleet-admin-token"
 STEP_SERVER = Path(__file__).resolve().parent / "bench_step_path.py"
@@ -123,13 +124,8 @@ async def _share(http: aiohttp.ClientSession, replicas: list[Replica], specs: li
     plan = shards.split(specs, observed)
     if len(plan.live) < len(replicas):
         return False
-    for name, kept in plan.releases.items():
-        url = next(r.url for r in replicas if r.name == name)
-        await AdminClient(http, url, ADMIN_TOKEN).set_membership(ExecutorSet(executors=list(kept)))
-    for name in plan.pushes:
-        url = next(r.url for r in replicas if r.name == name)
-        members = list(plan.memberships[name])
-        await AdminClient(http, url, ADMIN_TOKEN).set_membership(ExecutorSet(executors=members))
+    admins = {r.name: AdminClient(http, r.url, ADMIN_TOKEN) for r in replicas}
+    await Shards(plan, observed, admins).send()  # the operator's own two rounds
     if plan.pushes or plan.releases:
         return False
     readings = [o.reading for o in observed if o.reading is not None]
@@ -267,9 +263,9 @@ async def _group_stable(bootstrap: str, group: str, members: int) -> bool:
         [description] = await admin.describe_consumer_groups([group])
     finally:
         await admin.close()
-    found = description.groups[0] if hasattr(description, "groups") else description
-    state = found[2] if isinstance(found, tuple) else getattr(found, "state", "")
-    listed = found[5] if isinstance(found, tuple) else getattr(found, "members", [])
+    # The raw DescribeGroups answer: (error, group, state, protocol type, protocol, members, ...)
+    found = description.groups[0]
+    state, listed = found[2], found[5]
     return bool(state == "Stable" and len(listed) == members)
 
 

@@ -158,6 +158,10 @@ class Shards:
                 await self.admins[replica.name].drain(name)
 
     async def update(self, plan: planner.Plan) -> list[str]:
+        return await self.send()  # the shard was split from this plan's members
+
+    async def send(self) -> list[str]:
+        """Both rounds; the messages of the Events to post."""
         shard = self.shard
         for name, kept in shard.releases.items():
             await self.admins[name].set_membership(ExecutorSet(executors=list(kept)))

@@ -26,7 +26,8 @@ import pytest
 
 from kvgate.operator import shards
 from kvgate.operator.admin import AdminClient, AdminRejected, AdminUnavailable
-from kvgate.protocol.admin import ExecutorSet, ExecutorSpec
+from kvgate.operator.reconciler import Shards
+from kvgate.protocol.admin import ExecutorSpec
 from kvgate.sim.backend import SimExecutorConfig
 from tests.admission_service.kafka_helpers import read_all
 from tests.integration.admission_stack import ADMIN_TOKEN, Service, SimExecutor
@@ -74,10 +75,7 @@ class Keeper:
         replicas = [await self._observe(http, name) for name in sorted(self.services)]
         plan = shards.split(self.desired, replicas)
         admins = {r.name: AdminClient(http, str(r.url), ADMIN_TOKEN) for r in replicas}
-        for name, kept in plan.releases.items():
-            await admins[name].set_membership(ExecutorSet(executors=list(kept)))
-        for name in plan.pushes:
-            await admins[name].set_membership(ExecutorSet(executors=list(plan.memberships[name])))
+        await Shards(plan, replicas, admins).send()  # the reconciler's own two rounds
         self.memberships = {r: tuple(e.name for e in m) for r, m in plan.memberships.items()}
         return plan
 
