@@ -7,7 +7,7 @@ answer is written once, and every id answered is recorded (``AnsweredIds``: one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kvgate.admission_service.idempotency import AnsweredIds
@@ -31,6 +31,9 @@ from kvgate.protocol.records import (
     SourceRef,
     TokenChunk,
     TokenLogprob,
+    chunk_head,
+    plain_chunk_json,
+    stream_json,
 )
 from kvgate.scheduler.events import FinishedEvent, TokenEvent
 
@@ -46,7 +49,8 @@ class OutcomeSink(Protocol):
         self, record: RawRecord, rejection: Rejection, result: InferenceResult | None
     ) -> None: ...
 
-    def token(self, source: SourceRef, chunk: TokenChunk, reply: ReplyTo | None = None) -> None: ...
+    def token(self, source: SourceRef, chunk: str, reply: ReplyTo | None = None) -> None:
+        """Stream ``chunk``, a ``TokenChunk`` as ``records.stream_json`` writes it."""
 
 
 class Answers:
@@ -114,19 +118,27 @@ class Answers:
             rejection.request_id, source, record.traceparent, result, rejection.reason
         )
 
-    def token(self, tracked: Tracked, event: TokenEvent) -> None:
-        # Validated (pydantic's compiled validator is faster than its Python model_construct).
-        top = event.top_logprobs
-        chunk = TokenChunk(
-            request_id=tracked.request.request_id, index=event.output_index,
-            token_id=event.token_id, exit_depth=event.exit_depth, choice=tracked.choice,
-            logprob=event.logprob,
-            top_logprobs=(
-                [TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in top]
-                if top is not None else None
-            ),
-        )  # fmt: skip
-        self._sink.token(tracked.source, chunk, tracked.request.reply)
+    def tokens(self, made: Iterable[tuple[Tracked, TokenEvent]]) -> None:
+        """Stream each of ``made``'s tokens as a chunk of its request (a step's, in order)."""
+        stream = self._sink.token
+        for tracked, (_, index, token_id, exit_depth, logprob, top) in made:
+            head = tracked.chunk_head
+            if head is None:
+                head = tracked.chunk_head = chunk_head(tracked.request.request_id)
+            if logprob is None and top is None:  # one per streamed token: no model made
+                chunk = plain_chunk_json(head, index, token_id, exit_depth, tracked.choice)
+            else:
+                chunk = stream_json(
+                    TokenChunk(
+                        request_id=tracked.request.request_id, index=index, token_id=token_id,
+                        exit_depth=exit_depth, choice=tracked.choice, logprob=logprob,
+                        top_logprobs=(
+                            [TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in top]
+                            if top is not None else None
+                        ),
+                    )
+                )  # fmt: skip
+            stream(tracked.source, chunk, tracked.request.reply)
 
     def handed_off(self, tracked: Tracked) -> None:
         """No answer: another instance owns the request now (its span says so)."""

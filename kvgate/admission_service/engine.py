@@ -400,6 +400,7 @@ class Engine:
     def on_events(self, handle: ExecutorHandle, events: list[RequestEvent]) -> None:
         requests = self._requests
         token_stream = self.settings.token_stream
+        streamed: list[tuple[Tracked, TokenEvent]] = []  # streamed once the step is read
         for event in events:
             tracked = requests.get(event.request_id)
             if tracked is None or tracked.executor != handle.name:
@@ -426,7 +427,7 @@ class Engine:
                     and event.output_index >= tracked.tokens_out
                 ):
                     tracked.tokens_out = event.output_index + 1
-                    self._answers.token(tracked, event)
+                    streamed.append((tracked, event))
             elif isinstance(event, PromptLogprobsEvent):
                 scores = event.logprobs
                 tops = scores.top_logprobs or [[] for _ in scores.logprobs]
@@ -450,6 +451,8 @@ class Engine:
                     self._answers.finished(tracked, event)
                 else:
                     self._choice_finished(tracked, tracked.group, event)
+        if streamed:
+            self._answers.tokens(streamed)
 
     # ---------------------------------------------------------------------- n > 1 choices
     def _spawn_choices(self, leader: Tracked, group: ChoiceGroup) -> None:

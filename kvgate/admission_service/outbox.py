@@ -76,7 +76,7 @@ from kvgate.admission_service.offsets import CommitPoint, PartitionLedger
 from kvgate.admission_service.out_records import OutRecord, reply_record
 from kvgate.admission_service.replies import ReplyRoutes
 from kvgate.admission_service.settings import KafkaSettings
-from kvgate.admission_service.token_stream import StreamTarget, TokenStream
+from kvgate.admission_service.token_stream import StreamLane, StreamTarget, TokenStream
 from kvgate.admission_service.validation import RawRecord, Rejection
 from kvgate.backoff import jittered_delay_s
 from kvgate.protocol.records import (
@@ -85,7 +85,6 @@ from kvgate.protocol.records import (
     InferenceResult,
     ReplyTo,
     SourceRef,
-    TokenChunk,
     TokenRecords,
 )
 
@@ -189,7 +188,9 @@ class Outbox:
             self.reply_routes, self._token_failed,
             per_token=settings.token_records is TokenRecords.PER_TOKEN,
         )  # fmt: skip
-        self._token_targets: dict[int, tuple[StreamTarget, ...]] = {}  # per request partition
+        # Per request partition, and per (request partition, reply address) for requests whose
+        # reply address takes tokens: the chunks' targets and what is queued for them.
+        self._lanes: dict[int | tuple[int, str, int], StreamLane] = {}
 
     # ----------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -352,21 +353,26 @@ class Outbox:
             self.settings.dlq_topic, None, copy.key, copy.value, copy.headers, copy.letter
         )
 
-    def token(self, source: SourceRef, chunk: TokenChunk, reply: ReplyTo | None = None) -> None:
+    def token(self, source: SourceRef, chunk: str, reply: ReplyTo | None = None) -> None:
         """Stream ``chunk`` now (``token_stream.py``), not with the next commit cycle."""
         partition = source.partition
         if partition not in self.ledgers:
             return
-        targets = self._token_targets.get(partition)
-        if targets is None:
-            topic = self.settings.token_topic
-            targets = self._token_targets[partition] = (
-                (StreamTarget(topic, partition),) if topic is not None else ()
-            )
+        key: int | tuple[int, str, int] = partition
+        if reply is not None and reply.tokens:
+            key = (partition, reply.topic, reply.partition)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = self._new_lane(partition, reply)
+        if lane.targets:
+            self.stream.put(lane, chunk)
+
+    def _new_lane(self, partition: int, reply: ReplyTo | None) -> StreamLane:
+        topic = self.settings.token_topic
+        targets = (StreamTarget(topic, partition),) if topic is not None else ()
         if reply is not None and reply.tokens:
             targets = (*targets, StreamTarget(reply.topic, reply.partition, reply=True))
-        if targets:
-            self.stream.put(partition, targets, chunk)
+        return StreamLane(partition, targets)
 
     def _token_failed(self, partition: int, record: OutRecord, error: BaseException) -> None:
         """A chunk the stream could not write goes out with ``partition``'s next commit cycle

@@ -2,17 +2,21 @@
 
 ```
 engine ─▶ Outbox.token ─▶ TokenStream.put ─▶ (next loop turn) one record per topic partition
-                                            of what was put ─▶ producer.send, linger 0 ─▶ Kafka
+         (chunk JSON)    (its lane: request     of what was put ─▶ producer.send, linger 0 ─▶ Kafka
+                          partition, targets)
                                                     └─ refused or failed ─▶ Outbox: the next
                                                        commit cycle sends it again (as it did
                                                        every chunk before)
 ```
 
-A step's chunks are all put before the loop turns, so a record holds one step's chunks for one
-topic partition (``TokenChunks``, header ``kvgate-reply-kind: tokens``, no key): a step of 250
-decode rows is one producer send instead of 250 (per reply address too). ``token_records:
-per_token`` writes a ``TokenChunk`` per token instead (keyed by request id; reply copies with
-header ``token``), for consumers that predate the batches.
+The engine hands each chunk over as the JSON the record will hold (``records.plain_chunk_json``:
+no model per token; a record's text is its chunks' joined), and the outbox puts it in its lane:
+the chunks of one request partition bound for one set of targets. A step's chunks are all put
+before the loop turns, so a record holds one step's chunks for one topic partition
+(``TokenChunks``, header ``kvgate-reply-kind: tokens``, no key): a step of 250 decode rows is
+one producer send instead of 250 (per reply address too). ``token_records: per_token`` writes a
+``TokenChunk`` per token instead (keyed by request id; reply copies with header ``token``), for
+consumers that predate the batches.
 
 What exactly-once means for a stream: a chunk belongs to a request that is still running, and a
 request whose offset is not committed runs again, from its first token, wherever its partition
@@ -41,9 +45,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Final
 
@@ -53,7 +56,7 @@ from aiokafka.structs import RecordMetadata
 
 from kvgate.admission_service.out_records import OutRecord
 from kvgate.admission_service.replies import ReplyRoutes, reply_headers
-from kvgate.protocol.records import REPLY_KIND_TOKEN, REPLY_KIND_TOKENS, TokenChunk, TokenChunks
+from kvgate.protocol.records import REPLY_KIND_TOKEN, REPLY_KIND_TOKENS, SCHEMA_VERSION, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,9 @@ OnFailed = Callable[[int, OutRecord, BaseException], None]
 # about 250 kB, one record).
 MAX_RECORD_BYTES: Final = 256 * 1024
 _TOKENS_HEADERS: Final = reply_headers(REPLY_KIND_TOKENS)
-# The record says its schema version once; its chunks leave theirs out (about 19 of 102 bytes).
-_CHUNK_FIELDS_LEFT_OUT: Final = {"chunks": {"__all__": {"schema_version"}}}
+# A TokenChunks record: the schema version once (its chunks leave theirs out, about 19 of 102
+# bytes each), then the chunks.
+_RECORD_HEAD: Final = f'{{"schema_version":{SCHEMA_VERSION},"chunks":['
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,16 @@ class StreamTarget:
     topic: str
     partition: int
     reply: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class StreamLane:
+    """The chunks of one request partition bound for ``targets``, queued until the loop turns
+    (the outbox keeps one per request partition and reply address)."""
+
+    partition: int
+    targets: tuple[StreamTarget, ...]
+    chunks: list[str] = field(default_factory=list)
 
 
 class TokenStream:
@@ -95,20 +109,22 @@ class TokenStream:
         self._on_failed = on_failed
         self._per_token = per_token
         self._max_record_bytes = max_record_bytes
-        # (request partition, targets, chunk)
-        self._queue: deque[tuple[int, Sequence[StreamTarget], TokenChunk]] = deque()
+        self._queued: list[StreamLane] = []  # lanes holding chunks, in the order first put
         self._wake = asyncio.Event()
         self._stopping = False
         self._producer: AIOKafkaProducer | None = None
         self.sent = 0  # records handed to the producer (acknowledged or not)
+        self.chunks = 0  # the chunks in them (a chunk bound for two targets counted twice)
 
     def attach(self, producer: AIOKafkaProducer) -> None:
         self._producer = producer
 
-    def put(self, partition: int, targets: Sequence[StreamTarget], chunk: TokenChunk) -> None:
-        """Queue ``chunk`` (of a request read from ``partition``) for each of ``targets``."""
-        self._queue.append((partition, targets, chunk))
-        self._wake.set()
+    def put(self, lane: StreamLane, chunk: str) -> None:
+        """Queue ``chunk`` (``records.stream_json``'s text) for each of ``lane``'s targets."""
+        if not lane.chunks:
+            self._queued.append(lane)
+            self._wake.set()
+        lane.chunks.append(chunk)
 
     def stop_soon(self) -> None:
         self._stopping = True
@@ -119,18 +135,19 @@ class TokenStream:
             await self._wake.wait()
             self._wake.clear()
             await self._send_queued()
-            if self._stopping and not self._queue:
+            if self._stopping and not self._queued:
                 return
 
     async def _send_queued(self) -> None:
         producer = self._producer
         assert producer is not None, "attach a producer before run"
-        while self._queue:
-            groups: dict[tuple[int, StreamTarget], list[TokenChunk]] = {}
-            while self._queue:
-                partition, targets, chunk = self._queue.popleft()
-                for target in targets:
-                    groups.setdefault((partition, target), []).append(chunk)
+        while self._queued:
+            lanes, self._queued = self._queued, []
+            groups: dict[tuple[int, StreamTarget], list[str]] = {}
+            for lane in lanes:
+                chunks, lane.chunks = lane.chunks, []  # a put from now on queues the lane again
+                for target in lane.targets:
+                    groups.setdefault((lane.partition, target), []).extend(chunks)
             for (partition, target), chunks in groups.items():
                 if target.reply and not await self._routes.routable(
                     producer, target.topic, target.partition
@@ -138,18 +155,19 @@ class TokenStream:
                     continue  # counted and logged by the routes; the chunks are nobody's to read
                 for record in self._records(target, chunks):
                     await self._send(producer, partition, record)
+                self.chunks += len(chunks)
 
-    def _records(self, target: StreamTarget, chunks: list[TokenChunk]) -> Iterator[OutRecord]:
+    def _records(self, target: StreamTarget, chunks: list[str]) -> Iterator[OutRecord]:
         if self._per_token:
             headers = reply_headers(REPLY_KIND_TOKEN) if target.reply else []
             for chunk in chunks:
+                one = TokenChunk.model_validate_json(chunk)  # the whole model, as before batches
                 yield OutRecord(
-                    target.topic, target.partition, chunk.request_id.encode(),
-                    chunk.model_dump_json().encode(), headers, reply=target.reply,
+                    target.topic, target.partition, one.request_id.encode(),
+                    one.model_dump_json().encode(), headers, reply=target.reply,
                 )  # fmt: skip
             return
-        batch = TokenChunks.model_construct(chunks=chunks)
-        value = batch.model_dump_json(exclude_none=True, exclude=_CHUNK_FIELDS_LEFT_OUT).encode()
+        value = (_RECORD_HEAD + ",".join(chunks) + "]}").encode()
         if len(value) > self._max_record_bytes and len(chunks) > 1:
             half = len(chunks) // 2
             yield from self._records(target, chunks[:half])

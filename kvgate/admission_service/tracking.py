@@ -56,6 +56,7 @@ class Tracked:
     first_token_at: float | None = None
     last_token_at: float | None = None
     tokens_out: int = 0
+    chunk_head: str | None = None  # its streamed chunks' common start (records.chunk_head)
     failures: int = 0  # executors that failed while it was on them
     moves: int = 0  # times placement moved it to another executor before it started
     handed_off: bool = False  # its partition was revoked: another instance answers it

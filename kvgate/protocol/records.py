@@ -10,6 +10,7 @@ Topics, keys and headers: :mod:`kvgate.protocol.topics`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Final, Literal
@@ -397,6 +398,29 @@ class TokenChunk(_Message):
     # with the tokenizer decodes them, the result carries the text).
     logprob: float | None = None
     top_logprobs: list[TokenLogprob] | None = None
+
+
+# A chunk as the service streams it (``stream_json``): JSON without its schema version (the
+# record holding it says it once) and without fields left at None.
+_STREAM_LEFT_OUT: Final = {"schema_version"}
+
+
+def stream_json(chunk: TokenChunk) -> str:
+    """``chunk`` as a stream record holds it (any chunk; ``plain_chunk_json`` is the same text
+    for one without log-probabilities, made without a model)."""
+    return chunk.model_dump_json(exclude_none=True, exclude=_STREAM_LEFT_OUT)
+
+
+def chunk_head(request_id: str) -> str:
+    """What every streamed chunk of ``request_id`` starts with (made once per request)."""
+    return '{"request_id":' + json.dumps(request_id) + ',"index":'
+
+
+def plain_chunk_json(head: str, index: int, token_id: int, exit_depth: int, choice: int) -> str:
+    """``stream_json`` of a chunk without log-probabilities whose request's ``chunk_head`` is
+    ``head``: the service makes one per streamed token, so no model and no validation (its
+    values come from step results validated when they were read)."""
+    return f'{head}{index},"token_id":{token_id},"exit_depth":{exit_depth},"choice":{choice}}}'
 
 
 class TokenRecords(StrEnum):

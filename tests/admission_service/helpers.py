@@ -97,8 +97,8 @@ class RecordingSink:
             self.answers[result.request_id] = result
             self.answer_log.append(result)
 
-    def token(self, source: SourceRef, chunk: TokenChunk, reply: ReplyTo | None = None) -> None:
-        self.tokens.append((source, chunk))
+    def token(self, source: SourceRef, chunk: str, reply: ReplyTo | None = None) -> None:
+        self.tokens.append((source, TokenChunk.model_validate_json(chunk)))
 
 
 def scheduler_config(**changes: Any) -> SchedulerConfig:

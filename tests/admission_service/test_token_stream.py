@@ -20,7 +20,7 @@ from kvgate.admission_service.offsets import PartitionLedger
 from kvgate.admission_service.outbox import Outbox
 from kvgate.admission_service.replies import ReplyRoutes
 from kvgate.admission_service.settings import KafkaSettings
-from kvgate.admission_service.token_stream import StreamTarget, TokenStream
+from kvgate.admission_service.token_stream import StreamLane, StreamTarget, TokenStream
 from kvgate.protocol.records import (
     REPLY_KIND_HEADER,
     REPLY_KIND_TOKEN,
@@ -34,6 +34,9 @@ from kvgate.protocol.records import (
     TokenLogprob,
     TokenRecords,
     Usage,
+    chunk_head,
+    plain_chunk_json,
+    stream_json,
     token_chunks_of,
 )
 
@@ -136,6 +139,11 @@ def chunk(index: int, request_id: str = "r") -> TokenChunk:
     return TokenChunk(request_id=request_id, index=index, token_id=7 + index, exit_depth=1)
 
 
+def made(index: int, request_id: str = "r") -> str:
+    """``chunk`` as the engine hands it to the outbox."""
+    return plain_chunk_json(chunk_head(request_id), index, 7 + index, 1, 0)
+
+
 def result() -> InferenceResult:
     return InferenceResult(
         request_id="r", status=ResultStatus.COMPLETED,
@@ -174,7 +182,7 @@ async def test_a_chunk_is_sent_at_once_outside_any_transaction(transactional: bo
     producer = Producer()
     box = await started(producer, transactional=transactional)
     running = asyncio.create_task(box.run())
-    box.token(SOURCE, chunk(0), REPLY)
+    box.token(SOURCE, made(0), REPLY)
     await until(lambda: len(producer.sends(REPLY.topic)) == 1, what="the chunk sent")
     assert producer.sends("tok") == [False] and producer.sends(REPLY.topic) == [False]
     assert not any(kind in ("begin", "commit", "commit offsets") for kind, _ in producer.log), (
@@ -191,9 +199,9 @@ async def test_a_chunk_that_could_not_be_streamed_goes_out_with_the_next_cycle(
     producer = Producer(refuse_sends=2) if how == "refused" else Producer(fail_acks=2)
     box = await started(producer, transactional=transactional)
     running = asyncio.create_task(box.run())
-    box.token(SOURCE, chunk(0), REPLY)  # to the token topic and the reply address: both fail
+    box.token(SOURCE, made(0), REPLY)  # to the token topic and the reply address: both fail
     await until(lambda: box._num_pending == 2, what="both copies of the chunk back in the outbox")
-    box.token(SOURCE, chunk(1), REPLY)
+    box.token(SOURCE, made(1), REPLY)
     await until(lambda: len(producer.sends("tok")) == 1, what="the second chunk streamed")
     await stopped(box, running)
     await box.flush()
@@ -207,7 +215,7 @@ async def test_a_chunk_failing_after_its_partition_left_is_dropped() -> None:
     producer = Producer(hold_acks=True)
     box = await started(producer, transactional=True)
     running = asyncio.create_task(box.run())
-    box.token(SOURCE, chunk(0), REPLY)
+    box.token(SOURCE, made(0), REPLY)
     await until(lambda: len(producer.held) == 2, what="both copies sent, unanswered")
     assert await box.close_partition(0) == 0  # revoked while the broker has not answered
     for ack in producer.held:
@@ -258,19 +266,18 @@ async def test_a_steps_chunks_are_one_record_per_topic_partition() -> None:
     box.track(1, PartitionLedger(committed=0))
     running = asyncio.create_task(box.run())
     on_1 = SourceRef(topic="req", partition=1, offset=0)
-    step = [(SOURCE, chunk(0, "a"), REPLY), (on_1, chunk(0, "b"), None),
-            (SOURCE, chunk(1, "a"), REPLY), (SOURCE, chunk(0, "c"), None),
-            (on_1, chunk(0, "d"), REPLY), (on_1, chunk(1, "b"), None)]  # fmt: skip
-    for source, made, reply in step:
-        box.token(source, made, reply)
+    step = [(SOURCE, made(0, "a"), REPLY), (on_1, made(0, "b"), None),
+            (SOURCE, made(1, "a"), REPLY), (SOURCE, made(0, "c"), None),
+            (on_1, made(0, "d"), REPLY), (on_1, made(1, "b"), None)]  # fmt: skip
+    for source, one, reply in step:
+        box.token(source, one, reply)
     await until(lambda: len(producer.records) == 4, what="a step's records")
-    for source, made, reply in [(SOURCE, chunk(2, "a"), REPLY)]:  # the next step
-        box.token(source, made, reply)
+    box.token(SOURCE, made(2, "a"), REPLY)  # the next step
     await until(lambda: len(producer.records) == 6, what="the next step's records")
     await stopped(box, running)
     assert _chunks_sent(producer, "tok") == [
         (0, [chunk(0, "a"), chunk(1, "a"), chunk(0, "c")]),
-        (1, [chunk(0, "b"), chunk(0, "d"), chunk(1, "b")]),
+        (1, [chunk(0, "b"), chunk(1, "b"), chunk(0, "d")]),
         (0, [chunk(2, "a")]),
     ]
     # The reply address's partition gets a record per request partition its chunks came from
@@ -289,7 +296,7 @@ async def test_per_token_records_are_one_keyed_chunk_each() -> None:
     box = await started(producer, transactional=False, settings=settings)
     running = asyncio.create_task(box.run())
     for i in range(3):
-        box.token(SOURCE, chunk(i), REPLY)
+        box.token(SOURCE, made(i), REPLY)
     await until(lambda: len(producer.records) == 6, what="a record per chunk and copy")
     await stopped(box, running)
     for topic, headers in (("tok", []), (REPLY.topic, [(REPLY_KIND_HEADER, REPLY_KIND_TOKEN)])):
@@ -305,19 +312,37 @@ async def test_a_large_steps_chunks_are_split_below_the_record_limit() -> None:
     failed: list[Any] = []
     stream = TokenStream(ReplyRoutes(), lambda *a: failed.append(a), max_record_bytes=400)
     stream.attach(producer)  # type: ignore[arg-type]
-    made = [
+    chunks = [
         chunk(i, f"request-{i % 7}").model_copy(
             update={"logprob": -0.5, "top_logprobs": [TokenLogprob(token_id=j, logprob=-1.0 * j)
                                                       for j in range(3)]}
         )
         for i in range(40)
     ]  # fmt: skip
-    target = StreamTarget("tok", 0)
-    for one in made:
-        stream.put(0, [target], one)
+    lane = StreamLane(0, (StreamTarget("tok", 0),))
+    for one in chunks:
+        stream.put(lane, stream_json(one))
     stream.stop_soon()
     await stream.run()
     sent = _chunks_sent(producer, "tok")
     assert not failed and len(sent) > 4
     assert all(len(value or b"") <= 400 for *_, value, _ in producer.records)
-    assert [c for _, chunks in sent for c in chunks] == made, "every chunk, in order"
+    assert [c for _, got in sent for c in got] == chunks, "every chunk, in order"
+
+
+@pytest.mark.parametrize("request_id", ["r", "a.b:c/d@e+f=g-h_i", "x" * 256])
+@pytest.mark.parametrize(
+    ("index", "token_id", "exit_depth", "choice"),
+    [(0, 0, 1, 0), (127, 49_151, 4, 3), (10**6, 2**31, 12, 15)],
+)
+def test_a_plain_chunk_is_the_models_own_json(
+    request_id: str, index: int, token_id: int, exit_depth: int, choice: int
+) -> None:
+    """The engine writes a chunk without log-probabilities by hand (no model per token): its
+    text is what pydantic writes for the same chunk, so a record of both kinds reads back."""
+    one = TokenChunk(
+        request_id=request_id, index=index, token_id=token_id, exit_depth=exit_depth, choice=choice
+    )
+    text = plain_chunk_json(chunk_head(request_id), index, token_id, exit_depth, choice)
+    assert text == stream_json(one)
+    assert TokenChunk.model_validate_json(text) == one
