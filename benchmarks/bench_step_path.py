@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import cProfile
 import json
+import math
 import os
 import socket
 import statistics
@@ -144,6 +145,14 @@ def serve_lean(
     """``protocol``: write results in this version whatever the opener speaks (0: the
     opener's)."""
 
+    # (began, ended) of every step, on the machine's monotonic clock (time.monotonic in any
+    # process), for ``busy_share``.
+    log: list[tuple[float, float]] = []
+
+    async def steps_since(http: web.Request) -> web.Response:
+        since = float(http.query["since"])
+        return web.json_response([entry for entry in log if entry[0] >= since])
+
     async def steps(http: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(max_msg_size=64 * 2**20)
         if http.headers.get("Authorization") != f"Bearer {TOKEN}":
@@ -153,6 +162,7 @@ def serve_lean(
         version = 1
         async for msg in ws:
             began = time.perf_counter()
+            began_at = time.monotonic()
             message = json.loads(msg.data)
             if message["type"] == "open":
                 requests.clear()
@@ -161,16 +171,32 @@ def serve_lean(
                 answer = {"type": "accepted", "epoch": message["epoch"], "info": info}
                 await ws.send_str(json.dumps(answer))
                 continue
-            result = _lean_step(requests, message, version)
+            answer = json.dumps(_lean_step(requests, message, version))
             left_s = step_ms / 1000 - (time.perf_counter() - began)
             if left_s > 0:
                 await asyncio.sleep(left_s)  # stands in for the GPU's step
-            await ws.send_str(json.dumps(result))
+            await ws.send_str(answer)
+            log.append((began_at, time.monotonic()))
         return ws
 
     app = web.Application()
     app.router.add_get("/v1/steps", steps)
+    app.router.add_get("/bench/steps", steps_since)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+
+
+async def busy_share(http: aiohttp.ClientSession, ports: list[int], since: float) -> float:
+    """The share of their run the lean executors on ``ports`` spent in steps since ``since``
+    (``time.monotonic``): each one's from its first step's start to its last step's end, the
+    rest waiting for a plan (a GPU waiting for the control plane). 1.0: never waited."""
+    busy = span = 0.0
+    for port in ports:
+        async with http.get(f"http://127.0.0.1:{port}/bench/steps?since={since}") as answer:
+            log = await answer.json()
+        if log:
+            busy += sum(ended - began for began, ended in log)
+            span += log[-1][1] - log[0][0]
+    return busy / span if span else 0.0
 
 
 # ----------------------------------------------------------------- the service side
@@ -357,6 +383,7 @@ async def run(
             records.append(RawRecord("requests", 0, i, None, json.dumps(body).encode()))
         profiler = cProfile.Profile() if args.profile else None
         executors_cpu0 = _cpu_s(pids or [])
+        started_at = time.monotonic()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if profiler is not None:
             profiler.enable()
@@ -371,6 +398,8 @@ async def run(
             profiler.disable()
         cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
         executors_cpu_s = _cpu_s(pids or []) - executors_cpu0
+        lean = args.executor == "lean"  # (a sim executor logs no steps: not measured)
+        busy = await busy_share(http, ports, started_at) if lean else math.nan
         await engine.close()
         if outbox is not None and outbox_running is not None:
             outbox.stop_soon()
@@ -390,6 +419,7 @@ async def run(
         "chunks": sink.chunks,
         "records": outbox.stream.sent if outbox is not None else sink.chunks,
         "wall_s": wall_s,
+        "busy_share": busy,
     }
 
 
@@ -511,7 +541,9 @@ def _print(args: argparse.Namespace, figures: dict[str, float], mode: tuple[str,
         f"{args.executors} executor(s), step {args.step_ms:g} ms, {what}: "
         f"{figures['steps']} steps of {figures['rows_per_step']:.0f} rows, "
         f"{figures['tokens_per_s']:,.0f} output tokens/s, "
-        f"{figures['steps_per_s_per_executor']:.0f} steps/s per executor, "
+        f"{figures['steps_per_s_per_executor']:.0f} steps/s per executor"
+        + ("" if math.isnan(figures["busy_share"]) else f" (busy {figures['busy_share']:.1%})")
+        + ", "
         f"service CPU {figures['cpu_ms_per_step']:.2f} ms per step "
         f"({figures['cpu_us_per_token']:.1f} µs per output token), "
         f"{figures['chunks']} token chunks in {figures['records']} records, "
