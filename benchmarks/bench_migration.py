@@ -65,8 +65,8 @@ class Sink:
     def reject(self, record: object, rejection: object, result: object) -> None:
         raise AssertionError(f"rejected: {rejection}")
 
-    def token(self, source: object, chunk: object, reply: object = None) -> None:
-        pass
+    def lane(self, source: object, reply: object = None) -> None:
+        return None  # nothing streamed
 
 
 @dataclass

@@ -222,7 +222,12 @@ class _EncodingSink:
     def reject(self, record: object, rejection: object, result: object) -> None:
         raise AssertionError(f"rejected: {rejection}")
 
-    def token(self, source: object, chunk: str, reply: object = None) -> None:
+    def lane(self, source: Any, reply: object = None) -> Any:
+        from kvgate.admission_service.token_stream import StreamLane, StreamTarget
+
+        return StreamLane(source.partition, (StreamTarget("tokens", source.partition),))
+
+    def put(self, lane: object, chunk: str) -> None:
         chunk.encode()
         self.chunks += 1
 
@@ -233,7 +238,7 @@ class _CountingSink:
     def __init__(self, outbox: Any) -> None:
         self.outbox = outbox
         self.answers = self.output_tokens = 0
-        self.token = outbox.token  # as the service's engine calls it (no layer counted)
+        self.lane, self.put = outbox.lane, outbox.put  # as the engine calls them (no layer)
 
     @property
     def chunks(self) -> int:

@@ -13,6 +13,7 @@ from typing import Protocol
 from kvgate.admission_service.idempotency import AnsweredIds
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.outputs import shaped
+from kvgate.admission_service.token_stream import StreamLane
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.tracking import (
@@ -49,8 +50,12 @@ class OutcomeSink(Protocol):
         self, record: RawRecord, rejection: Rejection, result: InferenceResult | None
     ) -> None: ...
 
-    def token(self, source: SourceRef, chunk: str, reply: ReplyTo | None = None) -> None:
-        """Stream ``chunk``, a ``TokenChunk`` as ``records.stream_json`` writes it."""
+    def lane(self, source: SourceRef, reply: ReplyTo | None) -> StreamLane | None:
+        """Where the chunks of a request read from ``source`` go (None: nowhere); it stays
+        valid while ``open``."""
+
+    def put(self, lane: StreamLane, chunk: str) -> None:
+        """Stream ``chunk`` (``records.stream_json``'s text) to ``lane``'s targets."""
 
 
 class Answers:
@@ -120,13 +125,18 @@ class Answers:
 
     def tokens(self, made: Iterable[tuple[Tracked, TokenEvent]]) -> None:
         """Stream each of ``made``'s tokens as a chunk of its request (a step's, in order)."""
-        stream = self._sink.token
+        sink = self._sink
         for tracked, (_, index, token_id, exit_depth, logprob, top) in made:
-            head = tracked.chunk_head
-            if head is None:
-                head = tracked.chunk_head = chunk_head(tracked.request.request_id)
+            lane = tracked.lane
+            if lane is None or not lane.open:
+                lane = tracked.lane = sink.lane(tracked.source, tracked.request.reply)
+                if lane is None:
+                    continue
+                tracked.chunk_head = chunk_head(tracked.request.request_id)
             if logprob is None and top is None:  # one per streamed token: no model made
-                chunk = plain_chunk_json(head, index, token_id, exit_depth, tracked.choice)
+                chunk = plain_chunk_json(
+                    tracked.chunk_head, index, token_id, exit_depth, tracked.choice
+                )
             else:
                 chunk = stream_json(
                     TokenChunk(
@@ -138,7 +148,7 @@ class Answers:
                         ),
                     )
                 )  # fmt: skip
-            stream(tracked.source, chunk, tracked.request.reply)
+            sink.put(lane, chunk)
 
     def handed_off(self, tracked: Tracked) -> None:
         """No answer: another instance owns the request now (its span says so)."""

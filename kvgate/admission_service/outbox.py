@@ -76,7 +76,11 @@ from kvgate.admission_service.offsets import CommitPoint, PartitionLedger
 from kvgate.admission_service.out_records import OutRecord, reply_record
 from kvgate.admission_service.replies import ReplyRoutes
 from kvgate.admission_service.settings import KafkaSettings
-from kvgate.admission_service.token_stream import StreamLane, StreamTarget, TokenStream
+from kvgate.admission_service.token_stream import (
+    StreamLane,
+    StreamTarget,
+    TokenStream,
+)
 from kvgate.admission_service.validation import RawRecord, Rejection
 from kvgate.backoff import jittered_delay_s
 from kvgate.protocol.records import (
@@ -225,6 +229,7 @@ class Outbox:
             if partition in self.ledgers:
                 await self._cycle(partition)
             self.ledgers.pop(partition, None)
+            self._close_lanes(partition)
             unwritten = self._unwritten(partition)
             self._drop_pending(partition)
             self._stalls.pop(partition, None)
@@ -353,26 +358,34 @@ class Outbox:
             self.settings.dlq_topic, None, copy.key, copy.value, copy.headers, copy.letter
         )
 
-    def token(self, source: SourceRef, chunk: str, reply: ReplyTo | None = None) -> None:
-        """Stream ``chunk`` now (``token_stream.py``), not with the next commit cycle."""
+    def lane(self, source: SourceRef, reply: ReplyTo | None = None) -> StreamLane | None:
+        """Where the chunks of a request read from ``source`` go, each ``put`` there streamed at
+        once (``token_stream.py``), not with the next commit cycle. None: nowhere (its partition
+        is not here, or no target takes them). A lane closes when its partition leaves."""
         partition = source.partition
         if partition not in self.ledgers:
-            return
+            return None
         key: int | tuple[int, str, int] = partition
         if reply is not None and reply.tokens:
             key = (partition, reply.topic, reply.partition)
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = self._new_lane(partition, reply)
-        if lane.targets:
-            self.stream.put(lane, chunk)
+            topic = self.settings.token_topic
+            targets = (StreamTarget(topic, partition),) if topic is not None else ()
+            if reply is not None and reply.tokens:
+                targets = (*targets, StreamTarget(reply.topic, reply.partition, reply=True))
+            if not targets:
+                return None
+            lane = self._lanes[key] = StreamLane(partition, targets)
+        return lane
 
-    def _new_lane(self, partition: int, reply: ReplyTo | None) -> StreamLane:
-        topic = self.settings.token_topic
-        targets = (StreamTarget(topic, partition),) if topic is not None else ()
-        if reply is not None and reply.tokens:
-            targets = (*targets, StreamTarget(reply.topic, reply.partition, reply=True))
-        return StreamLane(partition, targets)
+    def put(self, lane: StreamLane, chunk: str) -> None:
+        """Stream ``chunk`` (``records.stream_json``'s text) to ``lane``'s targets."""
+        self.stream.put(lane, chunk)
+
+    def _close_lanes(self, partition: int) -> None:
+        for key in [key for key, lane in self._lanes.items() if lane.partition == partition]:
+            self._lanes.pop(key).open = False
 
     def _token_failed(self, partition: int, record: OutRecord, error: BaseException) -> None:
         """A chunk the stream could not write goes out with ``partition``'s next commit cycle
@@ -545,6 +558,7 @@ class Outbox:
             )
             self.metrics.commits.labels(outcome="fenced").inc()
             self.ledgers.pop(partition, None)
+            self._close_lanes(partition)
             self._stalls.pop(partition, None)
             self._num_pending -= len(records)
             self._discarded(entries)

@@ -56,7 +56,12 @@ from aiokafka.structs import RecordMetadata
 
 from kvgate.admission_service.out_records import OutRecord
 from kvgate.admission_service.replies import ReplyRoutes, reply_headers
-from kvgate.protocol.records import REPLY_KIND_TOKEN, REPLY_KIND_TOKENS, SCHEMA_VERSION, TokenChunk
+from kvgate.protocol.records import (
+    REPLY_KIND_TOKEN,
+    REPLY_KIND_TOKENS,
+    SCHEMA_VERSION,
+    TokenChunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +95,7 @@ class StreamLane:
     partition: int
     targets: tuple[StreamTarget, ...]
     chunks: list[str] = field(default_factory=list)
+    open: bool = True  # False once its partition left: a new owner, a new lane
 
 
 class TokenStream:

@@ -6,6 +6,7 @@ Pure: times are passed in (monotonic seconds), nothing here talks to Kafka or an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Span
 
@@ -28,6 +29,9 @@ from kvgate.protocol.records import (
 from kvgate.protocol.step import TokenLogprob as SampledLogprob
 from kvgate.scheduler.events import FinishedEvent, TokenEvent
 from kvgate.scheduler.request import RequestProgress, RequestSpec
+
+if TYPE_CHECKING:
+    from kvgate.admission_service.token_stream import StreamLane
 
 _STATUS = {
     FinishReason.STOP: ResultStatus.COMPLETED,
@@ -56,7 +60,10 @@ class Tracked:
     first_token_at: float | None = None
     last_token_at: float | None = None
     tokens_out: int = 0
-    chunk_head: str | None = None  # its streamed chunks' common start (records.chunk_head)
+    # Streamed: where its chunks go (the outbox's lane for its partition and reply address)
+    # and their common start (records.chunk_head).
+    lane: StreamLane | None = None
+    chunk_head: str = ""
     failures: int = 0  # executors that failed while it was on them
     moves: int = 0  # times placement moved it to another executor before it started
     handed_off: bool = False  # its partition was revoked: another instance answers it

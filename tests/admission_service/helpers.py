@@ -19,6 +19,7 @@ from kvgate.admission_service.executor_handle import SessionSettings
 from kvgate.admission_service.metrics import ServiceMetrics
 from kvgate.admission_service.placement import PlacementSettings
 from kvgate.admission_service.settings import LimitsSettings
+from kvgate.admission_service.token_stream import StreamLane, StreamTarget
 from kvgate.admission_service.tokenizer import TextCodec
 from kvgate.admission_service.tracing import ServiceTracer
 from kvgate.admission_service.validation import (
@@ -79,7 +80,7 @@ class RecordingSink:
     answers: dict[str, InferenceResult] = field(default_factory=dict)
     answer_log: list[InferenceResult] = field(default_factory=list)
     rejects: list[tuple[RawRecord, Rejection, InferenceResult | None]] = field(default_factory=list)
-    tokens: list[tuple[SourceRef, TokenChunk]] = field(default_factory=list)
+    streamed: list[TokenChunk] = field(default_factory=list)  # the chunks put, parsed
     traceparents: dict[str, str | None] = field(default_factory=dict)
 
     def answer(
@@ -97,8 +98,11 @@ class RecordingSink:
             self.answers[result.request_id] = result
             self.answer_log.append(result)
 
-    def token(self, source: SourceRef, chunk: str, reply: ReplyTo | None = None) -> None:
-        self.tokens.append((source, TokenChunk.model_validate_json(chunk)))
+    def lane(self, source: SourceRef, reply: ReplyTo | None = None) -> StreamLane | None:
+        return StreamLane(source.partition, (StreamTarget("tokens", source.partition),))
+
+    def put(self, lane: StreamLane, chunk: str) -> None:
+        self.streamed.append(TokenChunk.model_validate_json(chunk))
 
 
 def scheduler_config(**changes: Any) -> SchedulerConfig:

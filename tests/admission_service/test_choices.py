@@ -59,7 +59,7 @@ async def test_n_choices_are_one_answer_sharing_one_prefill() -> None:
         assert result.scheduling.executors in (["a"], ["b"])
         cached = (PROMPT_LEN - 1) // 4 * 4
         assert _prefill_tokens(rig) == PROMPT_LEN + (N - 1) * (PROMPT_LEN - cached)
-        chunks = [chunk for _, chunk in rig.sink.tokens]
+        chunks = rig.sink.streamed
         assert {chunk.request_id for chunk in chunks} == {"multi"}
         for c in range(N):
             streamed = [ch.token_id for ch in chunks if ch.choice == c]

@@ -299,11 +299,11 @@ async def test_token_stream_carries_every_token_once_in_order_across_a_loss() ->
         await rig.add_executors("a", "b", **SMALL)
         for i in range(6):
             rig.submit(request_body(f"t{i}", max_tokens=12))
-        await until(lambda: len(rig.sink.tokens) >= 10, what="some tokens")
+        await until(lambda: len(rig.sink.streamed) >= 10, what="some tokens")
         rig.connector.lose("a")
         await settle(rig, 6)
         for rid, result in rig.sink.answers.items():
-            chunks = [c for _, c in rig.sink.tokens if c.request_id == rid]
+            chunks = [c for c in rig.sink.streamed if c.request_id == rid]
             assert [c.index for c in chunks] == list(range(len(result.output_token_ids)))
             assert [c.token_id for c in chunks] == result.output_token_ids
     finally:

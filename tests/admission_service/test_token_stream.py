@@ -144,6 +144,13 @@ def made(index: int, request_id: str = "r") -> str:
     return plain_chunk_json(chunk_head(request_id), index, 7 + index, 1, 0)
 
 
+def put(box: Outbox, source: SourceRef, reply: ReplyTo | None, chunk: str) -> None:
+    """What the engine does with a streamed token of a request read from ``source``."""
+    lane = box.lane(source, reply)
+    assert lane is not None and lane.open
+    box.put(lane, chunk)
+
+
 def result() -> InferenceResult:
     return InferenceResult(
         request_id="r", status=ResultStatus.COMPLETED,
@@ -182,7 +189,7 @@ async def test_a_chunk_is_sent_at_once_outside_any_transaction(transactional: bo
     producer = Producer()
     box = await started(producer, transactional=transactional)
     running = asyncio.create_task(box.run())
-    box.token(SOURCE, made(0), REPLY)
+    put(box, SOURCE, REPLY, made(0))
     await until(lambda: len(producer.sends(REPLY.topic)) == 1, what="the chunk sent")
     assert producer.sends("tok") == [False] and producer.sends(REPLY.topic) == [False]
     assert not any(kind in ("begin", "commit", "commit offsets") for kind, _ in producer.log), (
@@ -199,9 +206,9 @@ async def test_a_chunk_that_could_not_be_streamed_goes_out_with_the_next_cycle(
     producer = Producer(refuse_sends=2) if how == "refused" else Producer(fail_acks=2)
     box = await started(producer, transactional=transactional)
     running = asyncio.create_task(box.run())
-    box.token(SOURCE, made(0), REPLY)  # to the token topic and the reply address: both fail
+    put(box, SOURCE, REPLY, made(0))  # to the token topic and the reply address: both fail
     await until(lambda: box._num_pending == 2, what="both copies of the chunk back in the outbox")
-    box.token(SOURCE, made(1), REPLY)
+    put(box, SOURCE, REPLY, made(1))
     await until(lambda: len(producer.sends("tok")) == 1, what="the second chunk streamed")
     await stopped(box, running)
     await box.flush()
@@ -215,7 +222,7 @@ async def test_a_chunk_failing_after_its_partition_left_is_dropped() -> None:
     producer = Producer(hold_acks=True)
     box = await started(producer, transactional=True)
     running = asyncio.create_task(box.run())
-    box.token(SOURCE, made(0), REPLY)
+    put(box, SOURCE, REPLY, made(0))
     await until(lambda: len(producer.held) == 2, what="both copies sent, unanswered")
     assert await box.close_partition(0) == 0  # revoked while the broker has not answered
     for ack in producer.held:
@@ -270,9 +277,9 @@ async def test_a_steps_chunks_are_one_record_per_topic_partition() -> None:
             (SOURCE, made(1, "a"), REPLY), (SOURCE, made(0, "c"), None),
             (on_1, made(0, "d"), REPLY), (on_1, made(1, "b"), None)]  # fmt: skip
     for source, one, reply in step:
-        box.token(source, one, reply)
+        put(box, source, reply, one)
     await until(lambda: len(producer.records) == 4, what="a step's records")
-    box.token(SOURCE, made(2, "a"), REPLY)  # the next step
+    put(box, SOURCE, REPLY, made(2, "a"))  # the next step
     await until(lambda: len(producer.records) == 6, what="the next step's records")
     await stopped(box, running)
     assert _chunks_sent(producer, "tok") == [
@@ -296,7 +303,7 @@ async def test_per_token_records_are_one_keyed_chunk_each() -> None:
     box = await started(producer, transactional=False, settings=settings)
     running = asyncio.create_task(box.run())
     for i in range(3):
-        box.token(SOURCE, made(i), REPLY)
+        put(box, SOURCE, REPLY, made(i))
     await until(lambda: len(producer.records) == 6, what="a record per chunk and copy")
     await stopped(box, running)
     for topic, headers in (("tok", []), (REPLY.topic, [(REPLY_KIND_HEADER, REPLY_KIND_TOKEN)])):
@@ -346,3 +353,19 @@ def test_a_plain_chunk_is_the_models_own_json(
     text = plain_chunk_json(chunk_head(request_id), index, token_id, exit_depth, choice)
     assert text == stream_json(one)
     assert TokenChunk.model_validate_json(text) == one
+
+
+async def test_a_lane_closes_when_its_partition_leaves() -> None:
+    """A request's chunks go to its partition's lane while the partition is here; once it
+    leaves, nothing more is streamed for it, and a partition that comes back gets new lanes."""
+    box = await started(Producer(), transactional=True)
+    lane = box.lane(SOURCE, REPLY)
+    assert lane is not None and box.lane(SOURCE, REPLY) is lane, "one per partition and reply"
+    plain = box.lane(SOURCE)
+    assert plain is not None and plain is not lane and plain.targets == (StreamTarget("tok", 0),)
+    await box.close_partition(0)
+    assert not lane.open and not plain.open
+    assert box.lane(SOURCE, REPLY) is None, "nothing streamed for a partition not here"
+    box.track(0, PartitionLedger(committed=0))  # the partition comes back
+    again = box.lane(SOURCE, REPLY)
+    assert again is not None and again.open and again is not lane
