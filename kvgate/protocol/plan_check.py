@@ -395,12 +395,17 @@ class PlanValidator:
             if rid in seen or rid in prefill_ids:
                 raise PlanError(ErrorCode.BAD_PLAN, f"{rid} has more than one row in the step", rid)
             seen.add(rid)
-            shadow = self._shadow(rid)
-            if shadow.cursor is None:
+            shadow = self.resident.get(rid)
+            if shadow is None:  # nothing else in the plan touched it: read it, no shadow made
+                held = self._states[rid]
+                view = held.plan_view()
+                expected, finished, pages = view.cursor, view.finished, held.num_pages
+            else:
+                expected, finished, pages = shadow.cursor, shadow.finished, shadow.pages
+            if expected is None:
                 raise PlanError(ErrorCode.BAD_PLAN, f"decode row for {rid} before its fill", rid)
-            if shadow.finished:
+            if finished:
                 continue  # skipped, not an error: the plan was made before the finish was known
-            expected = shadow.cursor
             if position is not None and position != expected[0]:
                 raise PlanError(
                     ErrorCode.BAD_PLAN,
@@ -413,10 +418,9 @@ class PlanValidator:
                     f"decode row for {rid} at depth {depth}, the cursor is at {expected[1]}",
                     rid,
                 )
-            if expected[0] >= shadow.pages * self.geo.block_size:
+            if expected[0] >= pages * self.geo.block_size:
                 raise PlanError(
                     ErrorCode.BAD_PLAN,
-                    f"decode row for {rid} at position {expected[0]} beyond its "
-                    f"{shadow.pages} pages",
+                    f"decode row for {rid} at position {expected[0]} beyond its {pages} pages",
                     rid,
                 )

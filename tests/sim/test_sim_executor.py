@@ -219,3 +219,16 @@ def test_a_remembered_context_fold_never_outlives_a_change_of_its_pages() -> Non
     run = run_once(workload, executor=executor)  # type: ignore[arg-type]
     assert executor.checked > 10
     assert all(o.status == "finished" for o in run.outcomes.values())
+
+
+def test_a_decode_row_past_its_pages_is_rejected() -> None:
+    """A decode row of a request nothing else in the plan touches is checked against the pages
+    it holds (the validator reads such a request without a shadow of it)."""
+    executor = _executor()
+    _start(executor)  # a: 3 prompt tokens, 2 pages of 2 slots per plane
+    decode = DecodeRows(request_ids=["a"], positions=[None], depths=[None])
+    for step_id in (2, 3):  # position 3 at depths 1 and 2: the last slot of page 2
+        assert executor.execute(StepPlan(step_id=step_id, decode=decode)).error is None
+    result = executor.execute(StepPlan(step_id=4, decode=decode))  # position 4 needs page 3
+    assert result.error is not None and result.error.code is ErrorCode.BAD_PLAN
+    assert "position 4 beyond its 2 pages" in result.error.message
