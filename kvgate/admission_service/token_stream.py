@@ -1,22 +1,22 @@
 """Token chunks out the moment the engine makes them, outside the commit cycles.
 
 ```
-engine ─▶ Outbox.token ─▶ TokenStream.put ─▶ (next loop turn) one record per topic partition
-         (chunk JSON)    (its lane: request     of what was put ─▶ producer.send, linger 0 ─▶ Kafka
-                          partition, targets)
-                                                    └─ refused or failed ─▶ Outbox: the next
-                                                       commit cycle sends it again (as it did
-                                                       every chunk before)
+engine ─▶ Outbox.lane (once per request) ─▶ Outbox.put ─▶ TokenStream.put ─▶ (next loop turn)
+          its partition's and reply           (chunk       one record per topic partition of
+          address's lane                      JSON)        what was put ─▶ producer.send,
+                                                           linger 0 ─▶ Kafka
+                                                   └─ refused or failed ─▶ Outbox: the next
+                                                      commit cycle sends it again
 ```
 
 The engine hands each chunk over as the JSON the record will hold (``records.plain_chunk_json``:
-no model per token; a record's text is its chunks' joined), and the outbox puts it in its lane:
-the chunks of one request partition bound for one set of targets. A step's chunks are all put
-before the loop turns, so a record holds one step's chunks for one topic partition
-(``TokenChunks``, header ``kvgate-reply-kind: tokens``, no key): a step of 250 decode rows is
-one producer send instead of 250 (per reply address too). ``token_records: per_token`` writes a
-``TokenChunk`` per token instead (keyed by request id; reply copies with header ``token``), for
-consumers that predate the batches.
+no model per token; a record's text is its chunks' joined) to its request's lane: the chunks of
+one request partition bound for one set of targets, closed when the partition leaves. A step's
+chunks are all put before the loop turns, so a record holds one step's chunks for one topic
+partition (``TokenChunks``, header ``kvgate-reply-kind: tokens``, no key): a step of 250 decode
+rows is one producer send instead of 250 (per reply address too). ``token_records: per_token``
+writes a ``TokenChunk`` per token instead (keyed by request id; reply copies with header
+``token``), for consumers that predate the batches.
 
 What exactly-once means for a stream: a chunk belongs to a request that is still running, and a
 request whose offset is not committed runs again, from its first token, wherever its partition
