@@ -163,6 +163,35 @@ def _visit_rows(
                 request.inflight_completes_fill = False
                 budget -= 1
                 continue
+        elif (
+            request.inflight_decode
+            and request.fill is None
+            and request.inflight_step < step
+            and request.depth_done + 1 >= request.max_loops
+        ):
+            # The common case under async scheduling, as lean: its pass in flight surely ends
+            # its token (the last depth), so the next feeds that token at the next position
+            # (``next_decode_pass``'s certain exit; a missing page with none free goes on to the
+            # general path).
+            outputs = len(request.output_token_ids)
+            if request.stop.length_reached(outputs + 1):
+                continue  # the token in flight is its last
+            position = request.prompt_len + outputs
+            request_id = request.request_id
+            frontier = min(position + 1, request.capacity_tokens)
+            pages = -(-frontier // block_size)
+            if pages <= pool.num_pages(request_id) or _take_free_pages(
+                state, builder, request, pages
+            ):
+                ids.append(request_id)
+                positions.append(position)
+                depths.append(1)
+                selected.add(request_id)
+                request.inflight_step = step
+                request.inflight_decode = True
+                request.inflight_completes_fill = False
+                budget -= 1
+                continue
         budget = _schedule_decode(state, builder, rooms, request, budget)
     return budget
 
