@@ -144,48 +144,37 @@ def _visit_rows(
             continue
         if not visit_decodes:
             continue
-        if request.inflight_step is None:
-            # The common case, kept lean: the cursor is known, and its page is held or can be
-            # taken from free blocks (only a missing page with none free needs the general path,
-            # which may preempt for it).
+        # The common cases, kept lean (a missing page with none free goes on to the general
+        # path, which may preempt for it): the row's position, depth and K/V frontier.
+        depth = 0  # 0: the general path
+        if request.inflight_step is None:  # resolved: the cursor is known
             position = request.prompt_len + len(request.output_token_ids) - 1
-            request_id = request.request_id
-            pages = position // block_size + 1  # the table must cover [0, position]
-            if pages <= pool.num_pages(request_id) or _take_free_pages(
-                state, builder, request, pages
-            ):
-                ids.append(request_id)
-                positions.append(position)
-                depths.append(request.depth_done + 1)
-                selected.add(request_id)
-                request.inflight_step = step
-                request.inflight_decode = True
-                request.inflight_completes_fill = False
-                budget -= 1
-                continue
+            depth = request.depth_done + 1
+            frontier = position + 1
         elif (
             request.inflight_decode
             and request.fill is None
             and request.inflight_step < step
             and request.depth_done + 1 >= request.max_loops
         ):
-            # The common case under async scheduling, as lean: its pass in flight surely ends
-            # its token (the last depth), so the next feeds that token at the next position
-            # (``next_decode_pass``'s certain exit; a missing page with none free goes on to the
-            # general path).
+            # Async scheduling: its pass in flight surely ends its token (the last depth), so
+            # the next feeds that token at the next position (``next_decode_pass``'s certain
+            # exit), unless that token is its last.
             outputs = len(request.output_token_ids)
             if request.stop.length_reached(outputs + 1):
-                continue  # the token in flight is its last
+                continue
             position = request.prompt_len + outputs
-            request_id = request.request_id
+            depth = 1
             frontier = min(position + 1, request.capacity_tokens)
-            pages = -(-frontier // block_size)
+        if depth:
+            request_id = request.request_id
+            pages = -(-frontier // block_size)  # the table must cover [0, frontier)
             if pages <= pool.num_pages(request_id) or _take_free_pages(
                 state, builder, request, pages
             ):
                 ids.append(request_id)
                 positions.append(position)
-                depths.append(1)
+                depths.append(depth)
                 selected.add(request_id)
                 request.inflight_step = step
                 request.inflight_decode = True
