@@ -400,21 +400,22 @@ class Engine:
     def on_events(self, handle: ExecutorHandle, events: list[RequestEvent]) -> None:
         requests = self._requests
         token_stream = self.settings.token_stream
+        now = self._clock()  # the events of one step's result arrive together
         streamed: list[tuple[Tracked, TokenEvent]] = []  # streamed once the step is read
+        gaps: list[float] = []  # since each request's previous token
         for event in events:
             tracked = requests.get(event.request_id)
             if tracked is None or tracked.executor != handle.name:
                 continue  # an event of a request that has moved on
             if isinstance(event, TokenEvent):
-                now = self._clock()
                 if tracked.first_token_at is None:
                     tracked.first_token_at = now
-                    self.metrics.observe_token(handle.name, now - tracked.received_at, None)
+                    self.metrics.observe_first_token(handle.name, now - tracked.received_at)
                     group = tracked.group
                     if group is not None and not group.spawned:
                         self._spawn_choices(tracked, group)
                 elif tracked.last_token_at is not None:
-                    self.metrics.observe_token(handle.name, 0.0, now - tracked.last_token_at)
+                    gaps.append(now - tracked.last_token_at)
                 tracked.last_token_at = now
                 if event.logprob is not None and event.output_index == len(tracked.logprobs):
                     tracked.logprobs.append(output_logprobs(event, self._tokenizer))
@@ -434,7 +435,6 @@ class Engine:
                 for offset, (logprob, top) in enumerate(zip(scores.logprobs, tops, strict=True)):
                     tracked.prompt_scores[scores.first_position + offset] = (logprob, top)
             elif isinstance(event, FinishedEvent):
-                now = self._clock()
                 unused = tracked.spec.sampling.max_tokens - len(event.output_token_ids)
                 self._quotas.credit(tracked.spec.tenant, unused, now)
                 admitted = tracked.admitted_at
@@ -451,6 +451,8 @@ class Engine:
                     self._answers.finished(tracked, event)
                 else:
                     self._choice_finished(tracked, tracked.group, event)
+        if gaps:
+            self.metrics.observe_token_gaps(handle.name, gaps)
         if streamed:
             self._answers.tokens(streamed)
 

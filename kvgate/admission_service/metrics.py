@@ -20,7 +20,7 @@ all of them are zero; a request, block or snapshot left behind on either side sh
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -223,6 +223,18 @@ class TokenHistogram(Collector):
         counts[bisect_left(self._bounds, value)] += 1
         self._sums[labels] += value
 
+    def observe_all(self, labels: tuple[str, str], values: Iterable[float]) -> None:
+        """``observe`` each of ``values`` (a step's, in one call)."""
+        counts = self._counts.get(labels)
+        if counts is None:
+            counts = self._counts[labels] = [0] * (len(self._bounds) + 1)
+            self._sums[labels] = 0.0
+        bounds, total = self._bounds, 0.0
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+            total += value
+        self._sums[labels] += total
+
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self._name, self._documentation, labels=list(VLLM_LABELS))
         for labels, counts in self._counts.items():
@@ -388,12 +400,14 @@ class ServiceMetrics:
             labels, buckets=VLLM_REQUEST_BUCKETS, registry=r,
         )  # fmt: skip
 
-    def observe_token(self, executor: str, since_read_s: float, since_last_s: float | None) -> None:
-        """An output token on ``executor``: the first (``since_last_s`` None) or a next one."""
-        if since_last_s is None:
-            self.vllm_ttft.observe((self._model, executor), since_read_s)
-        else:
-            self.vllm_inter_token.observe((self._model, executor), since_last_s)
+    def observe_first_token(self, executor: str, since_read_s: float) -> None:
+        """A request's first output token on ``executor``, ``since_read_s`` after it was read."""
+        self.vllm_ttft.observe((self._model, executor), since_read_s)
+
+    def observe_token_gaps(self, executor: str, gaps_s: Iterable[float]) -> None:
+        """The times between requests' output tokens and their previous ones on ``executor``
+        (a step's)."""
+        self.vllm_inter_token.observe_all((self._model, executor), gaps_s)
 
     def observe_finished(self, executor: str, latency_s: float, queued_s: float | None) -> None:
         self.vllm_e2e.labels(self._model, executor).observe(latency_s)

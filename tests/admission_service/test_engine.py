@@ -310,6 +310,28 @@ async def test_token_stream_carries_every_token_once_in_order_across_a_loss() ->
         await rig.engine.close()
 
 
+async def test_every_output_token_is_one_latency_observation() -> None:
+    """A request's first token is one time-to-first-token observation of its executor, each
+    later one an inter-token gap (a step's gaps are observed together)."""
+    rig = make_rig()
+    try:
+        await rig.add_executors("a", **SMALL)
+        for i in range(5):
+            rig.submit(request_body(f"m{i}", max_tokens=9))
+        await settle(rig, 5)
+        tokens = sum(len(result.output_token_ids) for result in rig.sink.answers.values())
+
+        def count(name: str) -> float:
+            registry = rig.engine.metrics.registry
+            return sum(s.value for f in registry.collect() for s in f.samples if s.name == name)
+
+        assert tokens > 5
+        assert count("vllm:time_to_first_token_seconds_count") == 5
+        assert count("vllm:inter_token_latency_seconds_count") == tokens - 5
+    finally:
+        await rig.engine.close()
+
+
 async def test_request_failing_on_too_many_executors_is_failed() -> None:
     rig = make_rig()  # max_request_failures = 3
     try:

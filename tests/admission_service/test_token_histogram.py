@@ -3,6 +3,7 @@ observations (bounds included: Prometheus' ``le`` counts a value equal to its bo
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from kvgate.admission_service.metrics import VLLM_INTER_TOKEN_BUCKETS, TokenHistogram
@@ -37,3 +38,22 @@ def test_an_unobserved_token_histogram_exposes_no_series() -> None:
     registry = CollectorRegistry()
     registry.register(TokenHistogram("vllm:time_to_first_token_seconds", "ttft", (0.1, 1.0)))
     assert _samples(registry) == {}
+
+
+def test_a_steps_observations_at_once_count_as_one_by_one() -> None:
+    """``observe_all`` (a step's inter-token gaps in one call) against the reference histogram
+    fed one value at a time: the same buckets and count, the sum up to its adding order."""
+    name, bounds = "vllm:inter_token_latency_seconds", VLLM_INTER_TOKEN_BUCKETS
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = TokenHistogram(name, "gaps", bounds)
+    ours.register(fast)
+    reference = Histogram(name, "gaps", ["model_name", "engine"], buckets=bounds, registry=theirs)
+    steps = [[0.0, 0.004, 0.01], [0.0100001, 0.05, 0.3, 80.0], [], [80.5, 1000.0, *bounds]]
+    for step in steps:
+        fast.observe_all(("m", "e0"), step)
+        for value in step:
+            reference.labels("m", "e0").observe(value)
+    expected, got = _samples(theirs), _samples(ours)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == (pytest.approx(value) if key[0].endswith("_sum") else value), key

@@ -3,6 +3,7 @@ own, per executor, with the unplaced requests counted as waiting."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import generate_latest
 
 from kvgate.admission_service.metrics import ExecutorGauge, ServiceMetrics, StateSnapshot
@@ -35,8 +36,8 @@ def test_prefix_cache_preemptions_and_latencies_per_executor() -> None:
     metrics = _metrics()
     report = StepReport(step_id=1, prefix_queried_tokens=100, prefix_hit_tokens=64)
     metrics.observe_step(report, "e0")
-    metrics.observe_token("e0", 0.2, None)
-    metrics.observe_token("e0", 0.0, 0.03)
+    metrics.observe_first_token("e0", 0.2)
+    metrics.observe_token_gaps("e0", [0.03, 0.5])
     metrics.observe_finished("e0", 1.5, 0.1)
     value = metrics.registry.get_sample_value
     engine = {"model_name": "m", "engine": "e0"}
@@ -46,7 +47,8 @@ def test_prefix_cache_preemptions_and_latencies_per_executor() -> None:
     assert value("kvgate_admission_prefix_cache_miss_tokens_total", {"executor": "e0"}) == 36
     assert value("vllm:time_to_first_token_seconds_count", engine) == 1
     assert value("vllm:time_to_first_token_seconds_bucket", engine | {"le": "0.25"}) == 1
-    assert value("vllm:inter_token_latency_seconds_count", engine) == 1
+    assert value("vllm:inter_token_latency_seconds_count", engine) == 2
+    assert value("vllm:inter_token_latency_seconds_sum", engine) == pytest.approx(0.53)
     assert value("vllm:e2e_request_latency_seconds_sum", engine) == 1.5
     assert value("vllm:request_queue_time_seconds_count", engine) == 1
     exposition = generate_latest(metrics.registry).decode()
