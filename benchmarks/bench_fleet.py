@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from benchmarks.bench_step_path import TOKEN
+from benchmarks.bench_step_path import TOKEN, cpu_seconds, free_port
 from kvgate.operator import shards
 from kvgate.operator.admin import AdminClient, AdminRejected, AdminUnavailable
 from kvgate.operator.reconciler import Shards
@@ -54,18 +53,6 @@ from kvgate.protocol.admin import ExecutorSpec
 
 ADMIN_TOKEN = "bench-fleet-admin-token"
 STEP_SERVER = Path(__file__).resolve().parent / "bench_step_path.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _cpu_s(pid: int) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / tick
 
 
 @dataclass
@@ -151,13 +138,13 @@ async def run_one(
     with _children(log_dir) as started:
         specs = []
         for i in range(executors_n):
-            port = _free_port()
+            port = free_port()
             argv = [sys.executable, str(STEP_SERVER), "--serve", f"e{i}:{port}:2"]
             _spawn(started, [*argv, "--step-ms", str(args.step_ms)], log_dir / f"e{i}.log")
             specs.append(ExecutorSpec(name=f"e{i}", endpoint=f"ws://127.0.0.1:{port}/v1/steps"))
         replicas = []
         for i in range(replicas_n):
-            port = _free_port()
+            port = free_port()
             kafka: dict[str, Any] = {
                 "bootstrap_servers": bootstrap, "request_topic": topics["requests"],
                 "result_topic": topics["results"], "abort_topic": topics["aborts"],
@@ -217,7 +204,7 @@ async def run_one(
                     for records in (await consumer.getmany(timeout_ms=500)).values():
                         answered.update(r.key for r in records if r.key is not None)
                 steps_before = await _steps(http, replicas)
-                cpu_before = sum(_cpu_s(r.process.pid) for r in replicas)
+                cpu_before = cpu_seconds([r.process.pid for r in replicas])
                 began = time.perf_counter()
                 for i in range(total):
                     rid = f"{base}-{i}"
@@ -240,7 +227,7 @@ async def run_one(
                     if time.perf_counter() - began > args.timeout_s:
                         raise RuntimeError(f"{len(answered)} of {total} answered in time")
                 wall = time.perf_counter() - began
-                cpu = sum(_cpu_s(r.process.pid) for r in replicas) - cpu_before
+                cpu = cpu_seconds([r.process.pid for r in replicas]) - cpu_before
                 steps = await _steps(http, replicas) - steps_before
             finally:
                 await producer.stop()

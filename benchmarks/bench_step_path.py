@@ -200,7 +200,7 @@ async def busy_share(http: aiohttp.ClientSession, ports: list[int], since: float
 
 
 # ----------------------------------------------------------------- the service side
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -387,7 +387,7 @@ async def run(
             }
             records.append(RawRecord("requests", 0, i, None, json.dumps(body).encode()))
         profiler = cProfile.Profile() if args.profile else None
-        executors_cpu0 = _cpu_s(pids or [])
+        executors_cpu0 = cpu_seconds(pids or [])
         started_at = time.monotonic()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if profiler is not None:
@@ -402,7 +402,7 @@ async def run(
         if profiler is not None:
             profiler.disable()
         cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
-        executors_cpu_s = _cpu_s(pids or []) - executors_cpu0
+        executors_cpu_s = cpu_seconds(pids or []) - executors_cpu0
         lean = args.executor == "lean"  # (a sim executor logs no steps: not measured)
         busy = await busy_share(http, ports, started_at) if lean else math.nan
         await engine.close()
@@ -472,7 +472,7 @@ def main() -> None:
     )
     versions = [1, 2] if args.protocol == "both" else [int(args.protocol)]
     modes = [(r, v) for r in records_modes for v in versions]
-    ports = {mode: [_free_port() for _ in range(args.executors)] for mode in modes}
+    ports = {mode: [free_port() for _ in range(args.executors)] for mode in modes}
     children = [
         subprocess.Popen(
             _executor_argv(args, i, port, mode[1]),
@@ -523,7 +523,7 @@ def _executor_argv(args: argparse.Namespace, index: int, port: int, version: int
     ]  # fmt: skip
 
 
-def _cpu_s(pids: list[int]) -> float:
+def cpu_seconds(pids: list[int]) -> float:
     """User and system CPU seconds of ``pids`` so far (Linux: /proc/PID/stat)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
