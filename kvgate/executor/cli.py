@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvgate.executor.config import DEFAULT_BLOCK_SIZE
 from kvgate.executor.packaged import resolve_model_ref
-from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy
+from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy, QuantActivations
 from kvgate.step_server.server import TOKEN_ENV, StepServer, read_token, serve
 
 log = logging.getLogger("kvgate.executor")
@@ -37,6 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="torch device (default cuda when available, else cpu)")
     parser.add_argument(
         "--dtype", choices=[AUTO_DTYPE, *(d.value for d in DType)], default=AUTO_DTYPE
+    )
+    parser.add_argument(
+        "--activations",
+        choices=[a.value for a in QuantActivations],
+        default=QuantActivations.FLOAT32.value,
+        help="a quantized GGUF model's products on CPU: float32 (default) multiplies the "
+        "activations as they are by each block dequantized in the dot product (the dequantized "
+        "model's numbers); int8 quantizes them per block first, as llama.cpp does (several times "
+        "faster; the rounding can flip a near tie)",
     )
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument("--num-blocks", type=int, help="KV cache blocks (required on CPU)")
@@ -138,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             exit_policy=ExitPolicy(args.exit_policy),
             model_name=str(args.model),
             batch_invariant=args.batch_invariant,
+            activations=QuantActivations(args.activations),
         )
         if not args.no_calibrate:
             executor.calibrate()

@@ -33,7 +33,7 @@ from kvgate.executor.step_span import kv_attributes, plan_attributes, result_att
 from kvgate.executor.structured import StructuredOutputs
 from kvgate.protocol import migration
 from kvgate.protocol import step as wire
-from kvgate.protocol.enums import AUTO_DTYPE, ExitPolicy
+from kvgate.protocol.enums import AUTO_DTYPE, ExitPolicy, QuantActivations
 from kvgate.protocol.plan_check import Geometry, PlanError, PlanValidator
 from kvgate.telemetry import attributes as attr
 from kvgate.telemetry.context import context_from_traceparent, span_context_from_traceparent
@@ -46,7 +46,8 @@ PROFILE_TOKENS = 2048
 class Executor:
     """Weights and KV tensors of one model on one device; follows the plans it is given.
 
-    ``model`` is a loaded model or a directory (then ``device`` and ``dtype`` apply). The cache
+    ``model`` is a loaded model or a directory (then ``device``, ``dtype`` and, for a GGUF
+    model on CPU, ``activations`` apply). The cache
     holds ``num_blocks`` blocks, or on a GPU as many as ``memory_fraction`` of its memory allows
     after a profiling forward of ``profile_tokens`` tokens. ``counters.num_requests`` counts
     every request held, resident or swapped out.
@@ -68,11 +69,18 @@ class Executor:
         profile_tokens: int = PROFILE_TOKENS,
         model_name: str | None = None,
         batch_invariant: bool = False,
+        activations: QuantActivations = QuantActivations.FLOAT32,
     ):
         loaded = (
             model
             if isinstance(model, LoadedModel)
-            else load_model(model, device=device, dtype=dtype, batch_invariant=batch_invariant)
+            else load_model(
+                model,
+                device=device,
+                dtype=dtype,
+                batch_invariant=batch_invariant,
+                activations=activations,
+            )
         )
         if loaded.model.batch_invariant != batch_invariant:
             raise ValueError(

@@ -16,8 +16,10 @@ The results differ from ``F.linear`` in the last bits (a different summation ord
 the checkpoint weight, so on CPU the linear weights take twice their size in memory.
 
 Quantized weights (:class:`~kvgate.executor.quantized.QuantizedWeight`, GGUF blocks kept as
-stored) run their own products whatever the backend (``quantized.QuantizedLinear``: the int8
-CPU kernel, Triton on CUDA); a row's result there never depends on its batch.
+stored) run their own products whatever the backend (``quantized.QuantizedLinear``: the CPU
+kernels, Triton on CUDA). A row's result never depends on its batch with int8 activations;
+with float32 ones, from 16 rows on it goes through torch's GEMM unless the batch-invariant mode
+asks for every row alone.
 
 Rows: oneDNN gives a row the same bits at every row count but one: a single row takes another
 kernel (a different summation order; measured for inner dimensions from 1,536 up, e.g. the MLP's
@@ -69,8 +71,9 @@ class Linear:
         *,
         batch_invariant: bool = False,
     ) -> Linear:
-        if isinstance(weight, QuantizedWeight):  # batch-invariant by construction
-            return cls(weight, bias, None, quantized=QuantizedLinear(weight, bias))
+        if isinstance(weight, QuantizedWeight):
+            quantized = QuantizedLinear(weight, bias, row_by_row=batch_invariant)
+            return cls(weight, bias, None, quantized=quantized)
         if backend is LinearBackend.TORCH:
             if batch_invariant:
                 raise ValueError("batch-invariant linears need oneDNN's packed weights (CPU fp32)")

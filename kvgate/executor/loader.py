@@ -2,6 +2,8 @@
 
 A GGUF file (or a directory holding one as ``model.gguf``) loads with its block formats kept as
 stored under ``dtype="auto"``; a stated dtype (``float32``) dequantizes every weight into it.
+On CPU its products take the activations as ``activations`` says (float32 by default; int8 in
+the rows8 layout where the kernel compiled: see :class:`~kvgate.protocol.enums.QuantActivations`).
 An AWQ, GPTQ or FP8 checkpoint's projections likewise stay as stored under ``auto`` where
 Triton's kernels run them (CUDA), and are dequantized when read elsewhere or into a stated dtype.
 """
@@ -25,6 +27,7 @@ from kvgate.executor.quantized import (
     prepare_quant_kernel,
     repacked_rows8,
     weight_nbytes,
+    with_activations,
 )
 from kvgate.executor.tensor_parallel.layers import TensorParallel
 from kvgate.executor.tensor_parallel.shards import ShardPlan
@@ -32,7 +35,7 @@ from kvgate.executor.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokeni
 from kvgate.executor.weights import read_checkpoint, read_checkpoint_packed
 from kvgate.kernels.cpu.quant import rows8_compiled
 from kvgate.kernels.dispatch import Backend, select_backend
-from kvgate.protocol.enums import AUTO_DTYPE, DType
+from kvgate.protocol.enums import AUTO_DTYPE, DType, QuantActivations
 from kvgate.protocol.tokenizer_files import TokenizerFiles
 
 DTypeChoice = DType | Literal["auto"] | torch.dtype
@@ -76,18 +79,20 @@ def load_model(
     dtype: DTypeChoice = AUTO_DTYPE,
     parallel: TensorParallel | None = None,
     batch_invariant: bool = False,
+    activations: QuantActivations = QuantActivations.FLOAT32,
 ) -> LoadedModel:
     """Read and check a model directory or GGUF file; raises CheckpointError with the reason.
 
     With ``parallel``, only this rank's shard is read (a ShardError, one line, when the model
     does not split over the group). ``batch_invariant``: see :class:`Model` (a ValueError where
-    the device cannot run it).
+    the device cannot run it). ``activations``: how a GGUF model's quantized products take
+    their activations on CPU.
     """
     path = Path(model_dir)
     if path.is_dir() and (path / GGUF_IN_DIRECTORY).is_file():  # kvgate convert --dtype quantized
         path = path / GGUF_IN_DIRECTORY
     if is_gguf(path):
-        return _load_gguf(path, torch.device(device), dtype, parallel, batch_invariant)
+        return _load_gguf(path, torch.device(device), dtype, parallel, batch_invariant, activations)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     config = load_config(path)
@@ -123,30 +128,40 @@ def load_model(
     return LoadedModel(model, tokenizer, path, _directory_tokenizer_files(path))
 
 
-def _rows8_weights(weights: ModelWeights) -> ModelWeights:
-    """The projections and the output layer in the CPU kernel's rows8 layout where their format
-    has one (every GGUF format kvgate keeps: the same bytes in groups of eight rows; 2-6.5x
-    faster for a lone decode row, 1.2-2.2x for 32 rows, measured in docs/benchmarks.md). A tied
-    embedding is the same object as the output layer, so it is repacked once and its lookups
-    unpack the groups they touch."""
+def _cpu_weights(weights: ModelWeights, activations: QuantActivations) -> ModelWeights:
+    """The projections and the output layer as the CPU products read them.
+
+    int8 activations: in the int8 kernel's rows8 layout where their format has one (every GGUF
+    format kvgate keeps: the same bytes in groups of eight rows; 2-6.5x faster for a lone decode
+    row, 1.2-2.2x for 32 rows, measured in docs/benchmarks.md) and the kernel compiled. float32:
+    as stored, marked for the float product. A tied embedding is the same object as the output
+    layer, so it is converted once (its lookups unpack the groups they touch)."""
+    if activations is QuantActivations.INT8 and not rows8_compiled(prepare_quant_kernel()):
+        return weights
+
+    def convert(weight: Weight) -> Weight:
+        if activations is QuantActivations.INT8:
+            return repacked_rows8(weight)
+        return with_activations(weight, activations)
+
     layers = []
     for layer in weights.layers:
         mlp = layer.mlp
         if isinstance(mlp, DenseMlpWeights):
             mlp = replace(
                 mlp,
-                gate_up_proj=repacked_rows8(mlp.gate_up_proj),
-                down_proj=repacked_rows8(mlp.down_proj),
+                gate_up_proj=convert(mlp.gate_up_proj),
+                down_proj=convert(mlp.down_proj),
             )
         layers.append(
             replace(
                 layer,
-                qkv_proj=repacked_rows8(layer.qkv_proj),
-                o_proj=repacked_rows8(layer.o_proj),
+                qkv_proj=convert(layer.qkv_proj),
+                o_proj=convert(layer.o_proj),
                 mlp=mlp,
             )
         )
-    lm_head = repacked_rows8(weights.lm_head)
+    lm_head = convert(weights.lm_head)
     embed = lm_head if weights.lm_head is weights.embed else weights.embed
     return replace(weights, layers=tuple(layers), lm_head=lm_head, embed=embed)
 
@@ -178,6 +193,7 @@ def _load_gguf(
     dtype: DTypeChoice,
     parallel: TensorParallel | None,
     batch_invariant: bool,
+    activations: QuantActivations,
 ) -> LoadedModel:
     torch_dtype = resolve_dtype(dtype, device, None)
     shard = None if parallel is None else parallel.plan
@@ -195,8 +211,9 @@ def _load_gguf(
     )
     config = checkpoint.config if shard is None else shard.local_config(checkpoint.config)
     weights = assemble_weights(config, checkpoint.tensors)
-    if checkpoint.quantized and device.type == "cpu" and rows8_compiled(prepare_quant_kernel()):
-        weights = _rows8_weights(weights)
+    if checkpoint.quantized and device.type == "cpu":
+        weights = _cpu_weights(weights, activations)
+        log.info("quantized products: %s activations", activations.value)
     model = Model(config, weights, parallel=parallel, batch_invariant=batch_invariant)
     files = TokenizerFiles.of(
         checkpoint.tokenizer.to_str(), checkpoint.special_tokens.tokenizer_config()

@@ -15,10 +15,13 @@ format and the linear runs one product per segment::
 
 Where the product runs:
 
-- CPU: the compiled int8 kernel (``kvgate/kernels/cpu/quant.cpp``), or its torch reference
-  where no compiler built it (same numbers, slow). Activations are quantized to int8 per block,
-  as llama.cpp does; a row's result never depends on the other rows of its batch, so the
-  executor's batch-invariant mode holds with quantized weights too.
+- CPU: the compiled kernels (``kvgate/kernels/cpu/quant.cpp``), or their torch references
+  where no compiler built them, with the activations as the segment says
+  (:class:`~kvgate.protocol.enums.QuantActivations`): float32 (each block dequantized in the dot
+  product; the default) or int8 per block, as llama.cpp does (the faster; its rows8 layout).
+  The int8 product of a row never depends on the other rows of its batch, so the executor's
+  batch-invariant mode holds with int8 activations; the float32 product of a few rows runs row
+  by row too, and from 16 rows on through torch's GEMM, as the float32 model does.
 - CUDA: Triton's dequantize-in-the-GEMM kernels (``kvgate/kernels/triton_quant.py``): float
   activations, the weights' tiles dequantized in registers. AWQ, GPTQ and FP8 segments run only
   there (or under the Triton interpreter); on CPU the loader dequantizes them when it reads them
@@ -42,6 +45,7 @@ from kvgate.kernels.cpu import quant as cpu_quant
 from kvgate.kernels.dispatch import Backend, select_backend
 from kvgate.kernels.quant_formats import QuantFormat, check_quantized, dequantize
 from kvgate.kernels.torch_weight_only import awq_dequantize, fp8_dequantize, gptq_dequantize
+from kvgate.protocol.enums import QuantActivations
 
 log = logging.getLogger("kvgate.executor")
 
@@ -49,12 +53,14 @@ log = logging.getLogger("kvgate.executor")
 @dataclass(frozen=True)
 class Segment:
     """Consecutive rows of one format: ``data [rows, row_bytes]`` uint8, as stored, or (``rows8``,
-    CPU only) the same bytes in groups of eight rows for the CPU kernel
-    (:func:`kvgate.kernels.cpu.quant.repack_rows8`)."""
+    CPU only, int8 activations only) the same bytes in groups of eight rows for the CPU kernel
+    (:func:`kvgate.kernels.cpu.quant.repack_rows8`). ``activations``: how the CPU product
+    treats the activations (CUDA multiplies in their own dtype whatever it says)."""
 
     fmt: QuantFormat
     data: torch.Tensor
     rows8: bool = False
+    activations: QuantActivations = QuantActivations.INT8
 
     @property
     def rows(self) -> int:
@@ -71,17 +77,27 @@ class Segment:
         return Segment(self.fmt, cpu_quant.unpack_rows8(self.fmt, self.data))
 
     def repacked(self) -> Segment:
-        """In the rows8 layout where the format has one and there is a group of eight rows."""
-        if self.rows8 or self.fmt not in cpu_quant.ROWS8_FORMATS or self.rows < 8:
+        """In the rows8 layout where the format has one and there is a group of eight rows
+        (the int8 kernel's layout: a float-activation segment stays as stored)."""
+        if (
+            self.rows8
+            or self.activations is not QuantActivations.INT8
+            or self.fmt not in cpu_quant.ROWS8_FORMATS
+            or self.rows < 8
+        ):
             return self
         return Segment(self.fmt, cpu_quant.repack_rows8(self.fmt, self.data), rows8=True)
+
+    def with_activations(self, activations: QuantActivations) -> Segment:
+        """The same blocks, multiplied with ``activations`` (as stored: no layout change)."""
+        return Segment(self.fmt, self.stored().data, activations=activations)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.stored().data,)
 
     def to(self, device: torch.device) -> Segment:
         if device.type == "cpu":
-            return Segment(self.fmt, self.data.to(device), self.rows8)
+            return replace(self, data=self.data.to(device))
         return Segment(self.fmt, self.stored().data.to(device))
 
     def dequantize(self, cols: int) -> torch.Tensor:
@@ -278,6 +294,16 @@ def repacked_rows8(weight: Weight) -> Weight:
     return QuantizedWeight(segments, weight.cols)
 
 
+def with_activations(weight: Weight, activations: QuantActivations) -> Weight:
+    """``weight``'s GGUF segments multiplied with ``activations`` on CPU (stored layout)."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight
+    segments = tuple(
+        s.with_activations(activations) if isinstance(s, Segment) else s for s in weight.segments
+    )
+    return QuantizedWeight(segments, weight.cols)
+
+
 def dense(weight: Weight) -> torch.Tensor:
     """``weight`` where only a float tensor will do (norms, biases, experts): a ValueError
     naming the formats for a quantized one."""
@@ -318,8 +344,12 @@ def prepare_quant_kernel() -> cpu_quant.QuantLoadResult:
     return result
 
 
-def segment_matmul(x: torch.Tensor, segment: AnySegment, cols: int) -> torch.Tensor:
-    """``x [n, cols] @ segment.T`` on the tensors' device, in x's dtype."""
+def segment_matmul(
+    x: torch.Tensor, segment: AnySegment, cols: int, *, row_by_row: bool = False
+) -> torch.Tensor:
+    """``x [n, cols] @ segment.T`` on the tensors' device, in x's dtype. ``row_by_row``: a
+    float-activation CPU product computes every row alone (the batch-invariant mode; the int8
+    products always do)."""
     if isinstance(segment, PackedSegment):
         return segment.matmul(x)
     # A rows8 segment is CPU-only and read by quant.cpp alone, whatever the Triton mode.
@@ -328,6 +358,11 @@ def segment_matmul(x: torch.Tensor, segment: AnySegment, cols: int) -> torch.Ten
 
         return gguf_matmul(x, segment.fmt, segment.data, cols)
     compiled = prepare_quant_kernel().compiled
+    if segment.activations is QuantActivations.FLOAT32:
+        out = cpu_quant.float_matmul(
+            x.float(), segment.fmt, segment.data, cols, compiled, row_by_row=row_by_row
+        )
+        return out.to(x.dtype)
     multiply = cpu_quant.quantized_matmul_rows8 if segment.rows8 else cpu_quant.quantized_matmul
     out = multiply(x.float(), segment.fmt, segment.data, cols, compiled)
     return out.to(x.dtype)
@@ -335,13 +370,18 @@ def segment_matmul(x: torch.Tensor, segment: AnySegment, cols: int) -> torch.Ten
 
 @dataclass(frozen=True)
 class QuantizedLinear:
-    """``y = x @ W.T + bias`` with ``W`` quantized (one product per segment)."""
+    """``y = x @ W.T + bias`` with ``W`` quantized (one product per segment); ``row_by_row``:
+    every row's output independent of its batch (see :func:`segment_matmul`)."""
 
     weight: QuantizedWeight
     bias: torch.Tensor | None  # [rows]
+    row_by_row: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, cols] -> [n, rows]
-        outs = [segment_matmul(x, s, self.weight.cols) for s in self.weight.segments]
+        cols = self.weight.cols
+        outs = [
+            segment_matmul(x, s, cols, row_by_row=self.row_by_row) for s in self.weight.segments
+        ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out if self.bias is None else out + self.bias
 
@@ -388,4 +428,5 @@ __all__ = [
     "repacked_rows8",
     "stack_rows",
     "weight_nbytes",
+    "with_activations",
 ]

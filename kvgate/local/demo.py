@@ -156,6 +156,7 @@ async def _demo(
         model_dir=model.model_dir,
         model_gguf=model.gguf,
         gguf_weights=model.gguf_weights,
+        activations=model.activations,
         family=args.family,
         num_blocks=limits.num_blocks,
         scheduler_defaults=limits.scheduler,

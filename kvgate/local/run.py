@@ -141,6 +141,7 @@ async def _serve(
         model_dir=model.model_dir,
         model_gguf=model.gguf,
         gguf_weights=model.gguf_weights,
+        activations=model.activations,
         executor_threads=threads.count,
         executor_batch_invariant=args.batch_invariant,
         family=args.family,

@@ -44,6 +44,7 @@ from kvgate.local.tuning import (
     refuse_owned_variables,
     scheduler_defaults,
 )
+from kvgate.protocol.enums import QuantActivations
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ class StackOptions:
     out_dir: Path
     model_dir: Path | None = None  # None: <out_dir>/model, written on first use
     model_gguf: Path | None = None  # served converted from the cache (kvgate convert --cache)
-    gguf_weights: GgufWeights = GgufWeights.FLOAT32  # model_gguf's: dequantized, or as stored
+    gguf_weights: GgufWeights = GgufWeights.QUANTIZED  # model_gguf's: as stored, or dequantized
+    activations: QuantActivations = QuantActivations.FLOAT32  # kvgate executor --activations
     family: str = "llama"
     num_blocks: int = 48
     block_size: int = 16
@@ -148,7 +150,8 @@ class ExecutorProcess:
     def endpoint(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/steps"
 
-    def start(self) -> None:
+    def argv(self) -> list[str]:
+        """The ``kvgate executor`` command line."""
         o = self.options
         argv = _kvgate(
             "executor", "--model", str(self.model_dir), "--host", "127.0.0.1",
@@ -158,6 +161,11 @@ class ExecutorProcess:
         )  # fmt: skip
         if o.executor_batch_invariant:
             argv.append("--batch-invariant")
+        return [*argv, "--activations", o.activations.value]
+
+    def start(self) -> None:
+        o = self.options
+        argv = self.argv()
         env = dict(os.environ, KVGATE_EXECUTOR_TOKEN=self.token, OTEL_SDK_DISABLED="true")
         # The count chosen by tuning.executor_threads (--threads > OMP_NUM_THREADS > the
         # machine), which already honoured this process's OMP_NUM_THREADS.

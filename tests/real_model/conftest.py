@@ -91,6 +91,12 @@ def kvgate_smollm2(smollm2_dir: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
+def kvgate_smollm2_quantized(smollm2_gguf: Path) -> LoadedModel:
+    """The default serving path: the file's blocks kept as stored, float32 activations."""
+    return load_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
 def hf_model(hf_reference_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 

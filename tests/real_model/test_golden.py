@@ -1,9 +1,11 @@
 """kvgate on SmolLM2-135M-Instruct against transformers reading the same GGUF file on its own.
 
-Greedy token ids must be equal for every prompt (plain text and chat through the template),
-whether the prompts run batched, in small chunks arriving over time, or are swapped out or freed
-and recomputed in the middle of decode. Logits must agree within ``LOGIT_ATOL`` (both sides fp32;
-what remains is summation order).
+Two kvgate paths: the model dequantized to float32 (``--dtype float32``) and the default, its
+blocks kept as stored and multiplied with float32 activations (each block dequantized in the
+dot product). Greedy token ids must be equal for every prompt (plain text and chat through the
+template), whether the prompts run batched, in small chunks arriving over time, or are swapped
+out or freed and recomputed in the middle of decode. Logits must agree within ``LOGIT_ATOL``
+(both sides fp32; what remains is summation order).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ MAX_TOKENS = 8
 # Largest |kvgate - transformers| over a logits row of magnitude ~20, fp32 on CPU. Measured:
 # below 1e-4; a wrong RoPE row order or a missed norm moves logits by whole units.
 LOGIT_ATOL = 2e-3
+
+# The kvgate paths compared (fixtures): dequantized to float32, and the default (quantized
+# weights, float32 activations).
+PATHS = ["kvgate_smollm2", "kvgate_smollm2_quantized"]
 
 PLAIN = [
     "The capital of France is",
@@ -129,8 +135,10 @@ def test_the_reference_continuations_are_the_known_ones(
         ),
     ],
 )
+@pytest.mark.parametrize("path", PATHS)
 def test_greedy_ids_equal_transformers(
-    kvgate_smollm2: LoadedModel,
+    request: pytest.FixtureRequest,
+    path: str,
     prompts: dict[str, list[int]],
     hf_greedy: dict[str, list[int]],
     mode: str,
@@ -138,21 +146,25 @@ def test_greedy_ids_equal_transformers(
     stagger: bool,
 ) -> None:
     assert len(prompts) >= 8
-    assert _run(kvgate_smollm2, prompts, cfg, stagger) == hf_greedy, mode
+    loaded = request.getfixturevalue(path)
+    assert _run(loaded, prompts, cfg, stagger) == hf_greedy, mode
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_prefill_and_decode_logits_match_transformers(
-    kvgate_smollm2: LoadedModel,
+    request: pytest.FixtureRequest,
+    path: str,
     hf_model: Any,
     prompts: dict[str, list[int]],
     hf_greedy: dict[str, list[int]],
 ) -> None:
+    loaded = request.getfixturevalue(path)
     for rid in ("plain-0", "chat-1", "plain-3"):
         prompt = prompts[rid]
         sequence = prompt + hf_greedy[rid]
         with torch.no_grad():
             expected = hf_model(torch.tensor([sequence])).logits[0, len(prompt) - 1 :].float()
-        actual = reference_logits(kvgate_smollm2.model, sequence, len(prompt))
+        actual = reference_logits(loaded.model, sequence, len(prompt))
         assert actual.shape == expected.shape
         difference = float((actual - expected).abs().max())
         assert difference < LOGIT_ATOL, (rid, difference)

@@ -1,7 +1,8 @@
-"""SmolLM2-135M-Instruct served as stored (Q4_1 matrices, a Q8_0 embedding): the default path.
+"""SmolLM2-135M-Instruct served as stored (Q4_1 matrices, a Q8_0 embedding), int8 activations.
 
-The float32 golden tests (test_golden.py) compare the dequantized path with transformers; here
-the quantized path is compared with that dequantized path:
+The golden tests (test_golden.py) compare the dequantized path and the default quantized one
+(float32 activations) with transformers, greedy ids equal; here the int8 activations
+(``--activations int8``) are compared with the dequantized path:
 
 - the weights stay in their blocks (memory within ``MEMORY_BOUND`` of the file) and the blocks
   dequantize to the float32 path's tensors bit for bit, so the two paths differ only in the
@@ -10,8 +11,9 @@ the quantized path is compared with that dequantized path:
   path's, and the top token at a prompt's last position is the float32 path's, or one the
   float32 path scores within ``TIE_MARGIN`` of its top (a near tie the int8 rounding may flip);
 - greedy ids are the same whether prompts run batched, chunked or preempted in the
-  batch-invariant mode (the quantized product of a row never depends on its batch; the mode
-  fixes attention's order), and the known answer is still the answer.
+  batch-invariant mode, with either activations (the quantized product of a row never depends
+  on its batch there; the mode fixes attention's order), and the known answer is still the
+  answer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from kvgate.executor.loader import LoadedModel, load_model
 from kvgate.executor.quantized import QuantizedWeight, weight_nbytes
 from kvgate.executor.reference import reference_logits
-from kvgate.protocol.enums import DType
+from kvgate.protocol.enums import DType, QuantActivations
 from tests.executor.driver import DriverConfig
 from tests.real_model.test_golden import _prompts, _run
 
@@ -46,7 +48,7 @@ MEMORY_BOUND = 1.15
 
 @pytest.fixture(scope="module")
 def quantized(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(smollm2_gguf)
+    return load_model(smollm2_gguf, activations=QuantActivations.INT8)
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +111,18 @@ def test_logits_are_close_to_the_float32_path(
         assert gap <= TIE_MARGIN, (rid, gap)
 
 
+@pytest.mark.parametrize("activations", list(QuantActivations))
 def test_greedy_ids_do_not_depend_on_the_schedule(
-    smollm2_gguf: Path, prompts: dict[str, list[int]], hf_tokenizer: Any
+    smollm2_gguf: Path,
+    prompts: dict[str, list[int]],
+    hf_tokenizer: Any,
+    activations: QuantActivations,
 ) -> None:
     """In the batch-invariant mode (--batch-invariant): the quantized products never depend on
     a row's batch, and the mode makes attention sum a row's prefill tokens in one order however
     the prompt is chunked (without it, chunking changes attention's summation order, and a near
     tie can flip: plain-4 did on an AVX-512 machine and not on an AVX2 one)."""
-    invariant = load_model(smollm2_gguf, batch_invariant=True)
+    invariant = load_model(smollm2_gguf, batch_invariant=True, activations=activations)
     batched = _run(invariant, prompts, DriverConfig(chunk_size=4096, mixed=True), False)
     chunked = _run(invariant, prompts, DriverConfig(chunk_size=7, mixed=True, shuffle_seed=3), True)
     preempted = _run(
@@ -132,3 +138,5 @@ def test_greedy_ids_do_not_depend_on_the_schedule(
     )
     assert batched == chunked == preempted
     assert hf_tokenizer.decode(batched["plain-0"]).startswith(" Paris")
+    if activations is QuantActivations.FLOAT32:  # the dequantized model's answer, near tie kept
+        assert "Paris" in hf_tokenizer.decode(batched["chat-0"])

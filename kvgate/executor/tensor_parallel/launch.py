@@ -32,7 +32,7 @@ from kvgate.executor.tensor_parallel.ranks import (
     leave_group,
 )
 from kvgate.executor.tensor_parallel.shards import ShardPlan
-from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy
+from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy, QuantActivations
 from kvgate.step_server.server import StepServer, serve
 
 log = logging.getLogger("kvgate.executor")
@@ -60,6 +60,7 @@ def rank_specs(
             model=args.model,
             device="cuda" if device.startswith("cuda") else device,
             dtype=None if args.dtype == AUTO_DTYPE else DType(args.dtype),
+            activations=QuantActivations(args.activations),
             num_blocks=args.num_blocks,
             memory_fraction=memory_fraction,
             block_size=args.block_size,

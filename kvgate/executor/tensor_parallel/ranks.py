@@ -48,7 +48,7 @@ from kvgate.executor.tensor_parallel.channel import Command, ControlChannel
 from kvgate.executor.tensor_parallel.layers import TensorParallel
 from kvgate.executor.tensor_parallel.shards import ShardPlan
 from kvgate.protocol import step as wire
-from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy
+from kvgate.protocol.enums import AUTO_DTYPE, DType, ExitPolicy, QuantActivations
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class RankSpec(BaseModel):
     model: Path
     device: str  # "cpu" or "cuda": rank r takes cuda:r
     dtype: DType | None = None  # None: auto
+    activations: QuantActivations = QuantActivations.FLOAT32  # a quantized GGUF's, on CPU
     num_blocks: Annotated[int, Field(ge=1)] | None = None
     memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     block_size: Annotated[int, Field(ge=1)] = DEFAULT_BLOCK_SIZE
@@ -109,7 +110,11 @@ def build_rank_executor(spec: RankSpec, parallel: TensorParallel) -> Executor:
     """Collective: this rank's shard and KV cache; every rank ends with the same block count."""
     device = spec.torch_device
     loaded = load_model(
-        spec.model, device=device, dtype=spec.dtype or AUTO_DTYPE, parallel=parallel
+        spec.model,
+        device=device,
+        dtype=spec.dtype or AUTO_DTYPE,
+        parallel=parallel,
+        activations=spec.activations,
     )
     num_blocks = spec.num_blocks
     if num_blocks is None:

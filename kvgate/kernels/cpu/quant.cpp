@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -1273,6 +1274,424 @@ at::Tensor matmul_rows8(const at::Tensor& x, const at::Tensor& data, int64_t for
   return out;
 }
 
+// ================================================ float activations: W dequantized in the dot
+//
+// matmul_float: y = x @ W.T with x as it is (float32). Each row of W is dequantized into a
+// thread's buffer to the float32 values quant_formats.dequantize gives (bit for bit: the same
+// products of fp16 scales and small integers, each rounded on its own), then dotted with every
+// row of x in float32: the dequantized matrix's product within float32 summation error (the
+// order is this kernel's own), the weights never held as floats.
+// Few rows of x (decode), or any number ``row_by_row`` (the batch-invariant mode): threads split
+// W's rows; each block's integers are converted to float once and multiplied by the rows of x
+// four at a time (one W row) or by one row (four W rows), the per-group sums scaled after (below:
+// the same operations for a row whatever its tile, so a row's output never depends on its
+// batch). Many rows (prefill): W dequantized a chunk of rows at a time and each chunk
+// multiplied by torch's own GEMM (at::mm, its threads).
+
+constexpr int64_t kFloatMmRows = 16;      // rows of x from which chunks go through at::mm
+constexpr int64_t kFloatChunkValues = 1 << 20;  // a chunk's float values (4 MB)
+
+// One block's values, scalar: the reference for the vector path below (and the path without
+// AVX2). s: the row's decoded scales (decode_row), b: the block's index.
+void dequantize_block_scalar(Format f, const uint8_t* blk, const RowScales& s, int64_t b,
+                             float* out) {
+  const float d = s.d[b];
+  switch (f) {
+    case Format::Q8_0:
+      for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
+      return;
+    case Format::Q4_0:
+    case Format::Q4_1: {
+      const uint8_t* qs = blk + (f == Format::Q4_0 ? 2 : 4);
+      for (int i = 0; i < 16; ++i) {
+        const int low = qs[i] & 0x0F, high = qs[i] >> 4;
+        if (f == Format::Q4_0) {
+          out[i] = d * static_cast<float>(low - 8);
+          out[i + 16] = d * static_cast<float>(high - 8);
+        } else {
+          out[i] = d * static_cast<float>(low) + s.m[b];
+          out[i + 16] = d * static_cast<float>(high) + s.m[b];
+        }
+      }
+      return;
+    }
+    case Format::Q4_K:
+    case Format::Q5_K: {
+      const uint8_t* qs = blk + (f == Format::Q4_K ? 16 : 48);
+      const uint8_t* qh = blk + 16;
+      for (int c = 0; c < 4; ++c) {
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * c + half;
+          const float scale = d * static_cast<float>(s.sc[b * 16 + j]);
+          const float offset = s.m[b] * static_cast<float>(s.mins[b * 8 + j]);
+          for (int i = 0; i < 32; ++i) {
+            int q = half == 0 ? (qs[32 * c + i] & 0x0F) : (qs[32 * c + i] >> 4);
+            if (f == Format::Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+            out[64 * c + 32 * half + i] = scale * static_cast<float>(q) - offset;
+          }
+        }
+      }
+      return;
+    }
+    case Format::Q6_K:
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = blk + 64 * h;
+        const uint8_t* qh = blk + 128 + 32 * h;
+        for (int g = 0; g < 4; ++g) {
+          for (int i = 0; i < 32; ++i) {
+            const int nibble = g < 2 ? (ql[32 * g + i] & 0x0F) : (ql[32 * (g - 2) + i] >> 4);
+            const int q = nibble | (((qh[i] >> (2 * g)) & 3) << 4);
+            const int j = 8 * h + 2 * g + i / 16;
+            const float scale = d * static_cast<float>(s.sc[b * 16 + j]);
+            out[128 * h + 32 * g + i] = scale * static_cast<float>(q - 32);
+          }
+        }
+      }
+      return;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kFloatVector = true;
+
+// 32 bytes (unsigned, or signed for Q8_0) as four vectors of eight floats, in order.
+template <bool kSigned>
+inline void bytes_to_floats(__m256i v, __m256* out) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+  for (int h = 0; h < 2; ++h) {
+    for (int e = 0; e < 2; ++e) {
+      const __m128i eight = e == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
+      const __m256i ints = kSigned ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+      out[2 * h + e] = _mm256_cvtepi32_ps(ints);
+    }
+  }
+}
+
+// out[0..32) = scale * q + offset (kAdd) or scale * q - offset, each step rounded on its own.
+template <bool kSigned, int kOffset>  // kOffset: 0 none, 1 add, -1 subtract
+inline void store_block32(__m256i q, __m256 scale, __m256 offset, float* out) {
+  __m256 v[4];
+  bytes_to_floats<kSigned>(q, v);
+  for (int i = 0; i < 4; ++i) {
+    __m256 value = _mm256_mul_ps(scale, v[i]);
+    if constexpr (kOffset > 0) value = _mm256_add_ps(value, offset);
+    if constexpr (kOffset < 0) value = _mm256_sub_ps(value, offset);
+    _mm256_storeu_ps(out + 8 * i, value);
+  }
+}
+
+void dequantize_block(Format f, const uint8_t* blk, const RowScales& s, int64_t b, float* out) {
+  const __m256 d = _mm256_set1_ps(s.d[b]);
+  const __m256 none = _mm256_setzero_ps();
+  switch (f) {
+    case Format::Q8_0:
+      return store_block32<true, 0>(load32(blk + 2), d, none, out);
+    case Format::Q4_0:  // d (q - 8): q - 8 in integers, as signed bytes
+      return store_block32<true, 0>(_mm256_sub_epi8(unpack_q4(blk + 2), _mm256_set1_epi8(8)), d,
+                                    none, out);
+    case Format::Q4_1:
+      return store_block32<false, 1>(unpack_q4(blk + 4), d, _mm256_set1_ps(s.m[b]), out);
+    case Format::Q4_K:
+    case Format::Q5_K:
+      for (int c = 0; c < 4; ++c) {
+        __m256i low, high;
+        k45_chunk(f, blk, c, low, high);
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * c + half;
+          const __m256 scale = _mm256_set1_ps(s.d[b] * static_cast<float>(s.sc[b * 16 + j]));
+          const __m256 offset = _mm256_set1_ps(s.m[b] * static_cast<float>(s.mins[b * 8 + j]));
+          store_block32<false, -1>(half == 0 ? low : high, scale, offset, out + 64 * c + 32 * half);
+        }
+      }
+      return;
+    case Format::Q6_K:
+      for (int h = 0; h < 2; ++h) {
+        __m256i groups[4];
+        q6k_groups(blk, h, groups);
+        for (int g = 0; g < 4; ++g) {
+          // Two sub-blocks of 16 values, two scales: values 0-15 are vectors 0 and 1.
+          const __m256i centred = _mm256_sub_epi8(groups[g], _mm256_set1_epi8(32));
+          __m256 v[4];
+          bytes_to_floats<true>(centred, v);
+          const int j = 8 * h + 2 * g;
+          const __m256 first = _mm256_set1_ps(s.d[b] * static_cast<float>(s.sc[b * 16 + j]));
+          const __m256 second = _mm256_set1_ps(s.d[b] * static_cast<float>(s.sc[b * 16 + j + 1]));
+          float* o = out + 128 * h + 32 * g;
+          _mm256_storeu_ps(o, _mm256_mul_ps(first, v[0]));
+          _mm256_storeu_ps(o + 8, _mm256_mul_ps(first, v[1]));
+          _mm256_storeu_ps(o + 16, _mm256_mul_ps(second, v[2]));
+          _mm256_storeu_ps(o + 24, _mm256_mul_ps(second, v[3]));
+        }
+      }
+      return;
+  }
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// R rows of dequantized W (w, [R][k]) against T rows of x: out[t * os + r].
+template <int R, int T>
+inline void float_tile(const float* w, int64_t k, const float* x, int64_t xs, float* out,
+                       int64_t os) {
+  __m256 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) {
+    __m256 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * xs + i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_loadu_ps(w + r * k + i);
+      for (int t = 0; t < T; ++t) acc[t][r] = _mm256_fmadd_ps(wv, xv[t], acc[t][r]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) out[t * os + r] = hsum_ps(acc[t][r]);
+}
+
+// The decode path multiplies the blocks' integers, converted to float, by x and scales the sums:
+// a group of 32 values with scale d (two scales in Q6_K: values 0-15, 16-31) and offset o per
+// value adds d (q . x) + o sum(x). Block b's groups of 32: fn(v, first, lo, hi, offset), v the
+// group's integers as four vectors of eight floats, first its first value in the block.
+template <Format f, typename Fn>
+inline void block_groups(const uint8_t* blk, const RowScales& s, int64_t b, Fn&& fn) {
+  __m256 v[4];
+  const float d = s.d[b];
+  if constexpr (f == Format::Q8_0) {
+    bytes_to_floats<true>(load32(blk + 2), v);
+    fn(v, 0, d, d, 0.0f);
+  } else if constexpr (f == Format::Q4_0) {
+    bytes_to_floats<true>(_mm256_sub_epi8(unpack_q4(blk + 2), _mm256_set1_epi8(8)), v);
+    fn(v, 0, d, d, 0.0f);
+  } else if constexpr (f == Format::Q4_1) {
+    bytes_to_floats<false>(unpack_q4(blk + 4), v);
+    fn(v, 0, d, d, s.m[b]);
+  } else if constexpr (f == Format::Q4_K || f == Format::Q5_K) {
+    for (int c = 0; c < 4; ++c) {
+      __m256i halves[2];
+      k45_chunk(f, blk, c, halves[0], halves[1]);
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        const float scale = d * static_cast<float>(s.sc[b * 16 + j]);
+        bytes_to_floats<false>(halves[half], v);
+        fn(v, 64 * c + 32 * half, scale, scale, -(s.m[b] * static_cast<float>(s.mins[b * 8 + j])));
+      }
+    }
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      __m256i groups[4];
+      q6k_groups(blk, h, groups);
+      for (int g = 0; g < 4; ++g) {
+        const int j = 8 * h + 2 * g;
+        bytes_to_floats<true>(_mm256_sub_epi8(groups[g], _mm256_set1_epi8(32)), v);
+        fn(v, 128 * h + 32 * g, d * static_cast<float>(s.sc[b * 16 + j]),
+           d * static_cast<float>(s.sc[b * 16 + j + 1]), 0.0f);
+      }
+    }
+  }
+}
+
+// R rows of W (from ``w``, scales decoded in s[0..R)) against T rows of x: out[t * os + r].
+// xsum: x's sums per 32 values, [T][k / 32] (row stride k / 32).
+template <Format f, int R, int T>
+void fused_tile(const uint8_t* w, int64_t row_bytes, const RowScales* s, const float* x,
+                int64_t k, const float* xsum, float* out, int64_t os) {
+  constexpr Layout lay = f == Format::Q8_0   ? Layout{32, 34}
+                         : f == Format::Q4_0 ? Layout{32, 18}
+                         : f == Format::Q4_1 ? Layout{32, 20}
+                         : f == Format::Q4_K ? Layout{256, 144}
+                         : f == Format::Q5_K ? Layout{256, 176}
+                                             : Layout{256, 210};
+  const int64_t nb = k / lay.values, groups = k / 32;
+  __m256 total[R][T];
+  float offsets[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      total[r][t] = _mm256_setzero_ps();
+      offsets[r][t] = 0.0f;
+    }
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < R; ++r) {
+      block_groups<f>(w + r * row_bytes + b * lay.bytes, s[r], b,
+                      [&](const __m256* v, int64_t first, float lo, float hi, float offset) {
+        const int64_t at = b * lay.values + first;
+        const __m256 low = _mm256_set1_ps(lo), high = _mm256_set1_ps(hi);
+        for (int t = 0; t < T; ++t) {
+          const float* xp = x + t * k + at;
+          const __m256 a0 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8),
+                                            _mm256_mul_ps(v[0], _mm256_loadu_ps(xp)));
+          const __m256 a1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24),
+                                            _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16)));
+          total[r][t] = _mm256_fmadd_ps(high, a1, _mm256_fmadd_ps(low, a0, total[r][t]));
+          if (offset != 0.0f) offsets[r][t] += offset * xsum[t * groups + at / 32];
+        }
+      });
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * os + r] = hsum_ps(total[r][t]) + offsets[r][t];
+}
+
+// Rows [r0, r0 + R) of W against all n rows of x, scales decoded once per row.
+template <Format f, int R>
+void fused_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
+                int64_t n, int64_t k, float* out, int64_t rows, int64_t r0, RowScales* s) {
+  constexpr int64_t values = f == Format::Q8_0 || f == Format::Q4_0 || f == Format::Q4_1 ? 32 : 256;
+  const Layout lay = layout_of(f);
+  for (int r = 0; r < R; ++r) decode_row(f, w + (r0 + r) * row_bytes, k / values, lay.bytes, s[r]);
+  const uint8_t* wr = w + r0 * row_bytes;
+  const int64_t groups = k / 32;
+  int64_t m = 0;
+  if constexpr (R == 4) {  // a lone row of x: four rows of W, four independent sums
+    for (; m < n; ++m)
+      fused_tile<f, 4, 1>(wr, row_bytes, s, x + m * k, k, xsum + m * groups, out + m * rows + r0, rows);
+  } else {
+    for (; m + 4 <= n; m += 4)
+      fused_tile<f, R, 4>(wr, row_bytes, s, x + m * k, k, xsum + m * groups, out + m * rows + r0, rows);
+    for (; m < n; ++m)
+      fused_tile<f, R, 1>(wr, row_bytes, s, x + m * k, k, xsum + m * groups, out + m * rows + r0, rows);
+  }
+}
+
+template <Format f>
+void fused_product(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
+                   int64_t n, int64_t k, float* out, int64_t rows, int64_t begin, int64_t end) {
+  RowScales s[4];
+  int64_t r = begin;
+  if (n == 1) {
+    for (; r + 4 <= end; r += 4) fused_rows<f, 4>(w, row_bytes, x, xsum, n, k, out, rows, r, s);
+  }
+  for (; r < end; ++r) fused_rows<f, 1>(w, row_bytes, x, xsum, n, k, out, rows, r, s);
+}
+
+void fused_any(Format f, const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
+               int64_t n, int64_t k, float* out, int64_t rows, int64_t begin, int64_t end) {
+  switch (f) {
+    case Format::Q8_0: return fused_product<Format::Q8_0>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
+    case Format::Q4_0: return fused_product<Format::Q4_0>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
+    case Format::Q4_1: return fused_product<Format::Q4_1>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
+    case Format::Q4_K: return fused_product<Format::Q4_K>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
+    case Format::Q5_K: return fused_product<Format::Q5_K>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
+    case Format::Q6_K: return fused_product<Format::Q6_K>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
+  }
+}
+#else
+constexpr bool kFloatVector = false;
+
+void dequantize_block(Format f, const uint8_t* blk, const RowScales& s, int64_t b, float* out) {
+  dequantize_block_scalar(f, blk, s, b, out);
+}
+
+template <int R, int T>
+inline void float_tile(const float* w, int64_t k, const float* x, int64_t xs, float* out,
+                       int64_t os) {
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < k; ++i) sum += w[r * k + i] * x[t * xs + i];
+      out[t * os + r] = sum;
+    }
+}
+#endif
+
+// Row r of W (``row``, its blocks as stored) dequantized into out[0..k).
+void dequantize_row(Format f, const uint8_t* row, int64_t k, bool vector, RowScales& s,
+                    float* out) {
+  const Layout lay = layout_of(f);
+  const int64_t nb = k / lay.values;
+  decode_row(f, row, nb, lay.bytes, s);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * lay.bytes;
+    if (vector) {
+      dequantize_block(f, blk, s, b, out + b * lay.values);
+    } else {
+      dequantize_block_scalar(f, blk, s, b, out + b * lay.values);
+    }
+  }
+}
+
+// Rows [begin, end) of W against all n rows of x (the decode path).
+template <int R>
+void float_rows(Format f, const uint8_t* w, int64_t row_bytes, const float* x, int64_t n,
+                int64_t k, float* out, int64_t rows, int64_t r0, std::vector<float>& buffer,
+                RowScales& s) {
+  for (int r = 0; r < R; ++r)
+    dequantize_row(f, w + (r0 + r) * row_bytes, k, kFloatVector, s, buffer.data() + r * k);
+  int64_t m = 0;
+  for (; m + 2 <= n; m += 2) float_tile<R, 2>(buffer.data(), k, x + m * k, k, out + m * rows + r0, rows);
+  if (m < n) float_tile<R, 1>(buffer.data(), k, x + m * k, k, out + m * rows + r0, rows);
+}
+
+at::Tensor matmul_float(const at::Tensor& x_in, const at::Tensor& data, int64_t format,
+                        int64_t cols, bool row_by_row) {
+  const at::Tensor x = x_in.contiguous();
+  const auto [f, bytes, row_bytes] = check_arguments(x, data, format, cols);
+  (void)bytes;
+  const int64_t n = x.size(0), rows = data.size(0), k = cols;
+  at::Tensor out = at::empty({n, rows}, x.options());
+  if (n == 0 || rows == 0) return out;
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  if (n >= kFloatMmRows && !row_by_row) {
+    const int64_t chunk = std::max<int64_t>(64, kFloatChunkValues / k);
+    at::Tensor buffer = at::empty({std::min(chunk, rows), k}, x.options());
+    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+      const int64_t count = std::min(chunk, rows - c0);
+      float* b = buffer.data_ptr<float>();
+      at::parallel_for(0, count, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
+        RowScales s;
+        for (int64_t r = begin; r < end; ++r)
+          dequantize_row(f, w + (c0 + r) * row_bytes, k, kFloatVector, s, b + r * k);
+      });
+      out.narrow(1, c0, count).copy_(at::mm(x, buffer.narrow(0, 0, count).t()));
+    }
+    return out;
+  }
+  const float* xp = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  // About 64k multiply-adds per task, as matmul's.
+  const int64_t grain = std::max<int64_t>(4, 65536 / (k * n));
+#if defined(__AVX2__) && defined(__FMA__)
+  std::vector<float> xsum(n * (k / 32));
+  for (int64_t m = 0; m < n; ++m)
+    for (int64_t g = 0; g < k / 32; ++g) {
+      float sum = 0.0f;
+      for (int i = 0; i < 32; ++i) sum += xp[m * k + g * 32 + i];
+      xsum[m * (k / 32) + g] = sum;
+    }
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    fused_any(f, w, row_bytes, xp, xsum.data(), n, k, o, rows, begin, end);
+  });
+#else
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(k);
+    RowScales s;
+    for (int64_t r = begin; r < end; ++r) float_rows<1>(f, w, row_bytes, xp, n, k, o, rows, r, buffer, s);
+  });
+#endif
+  return out;
+}
+
+// The float32 values of W (the dequantize-in-the-dot's own, for tests): vector or scalar path.
+at::Tensor dequantize(const at::Tensor& data, int64_t format, int64_t cols, bool vector) {
+  const at::Tensor x = at::empty({0, cols}, data.options().dtype(at::kFloat));
+  const auto [f, bytes, row_bytes] = check_arguments(x, data, format, cols);
+  (void)bytes;
+  const int64_t rows = data.size(0);
+  at::Tensor out = at::empty({rows, cols}, x.options());
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    RowScales s;
+    for (int64_t r = begin; r < end; ++r)
+      dequantize_row(f, w + r * row_bytes, cols, vector && kFloatVector, s, o + r * cols);
+  });
+  return out;
+}
+
 std::string isa() { return kIsa; }
 bool has_rows8() { return kHasRows8; }
 
@@ -1281,6 +1700,9 @@ bool has_rows8() { return kHasRows8; }
 TORCH_LIBRARY(kvgate_quant, m) {
   m.def("matmul(Tensor x, Tensor data, int format, int cols) -> Tensor", &matmul);
   m.def("matmul_rows8(Tensor x, Tensor data, int format, int cols) -> Tensor", &matmul_rows8);
+  m.def("matmul_float(Tensor x, Tensor data, int format, int cols, bool row_by_row) -> Tensor",
+        &matmul_float);
+  m.def("dequantize(Tensor data, int format, int cols, bool vector) -> Tensor", &dequantize);
   m.def("isa() -> str", &isa);
   m.def("has_rows8() -> bool", &has_rows8);
 }

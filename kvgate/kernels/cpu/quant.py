@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvgate.kernels.cpu import DISABLE_ENV, build_library, disabled
-from kvgate.kernels.quant_formats import QuantFormat
+from kvgate.kernels.quant_formats import QuantFormat, dequantize
 from kvgate.kernels.torch_quant import quantized_matmul_reference
 
 SOURCE = Path(__file__).with_name("quant.cpp")
@@ -67,6 +67,41 @@ def quantized_matmul(
         )
         return out
     return quantized_matmul_reference(x, fmt, data, cols)
+
+
+def float_matmul(
+    x: torch.Tensor,
+    fmt: QuantFormat,
+    data: torch.Tensor,
+    cols: int,
+    compiled: bool,
+    *,
+    row_by_row: bool = False,
+) -> torch.Tensor:
+    """float32 ``x [n, cols]`` @ ``W.T`` with ``x`` as it is: W's blocks dequantized in the dot
+    (the compiled kernel when ``compiled``), or the whole matrix dequantized and multiplied
+    (torch). Either is the dequantized matrix's product within float32 summation error.
+    ``row_by_row``: every row computed alone, whatever the batch (the compiled kernel's decode
+    path at any row count; torch's product a row at a time)."""
+    if compiled:
+        out: torch.Tensor = torch.ops.kvgate_quant.matmul_float(
+            x.contiguous(), data, FORMAT_INDEX[fmt], cols, row_by_row
+        )
+        return out
+    weight = dequantize(fmt, data, cols)
+    if row_by_row:
+        rows = [x[i : i + 1] @ weight.T for i in range(x.shape[0])]
+        return torch.cat(rows) if rows else x @ weight.T
+    return x @ weight.T
+
+
+def compiled_dequantize(
+    fmt: QuantFormat, data: torch.Tensor, cols: int, *, vector: bool = True
+) -> torch.Tensor:
+    """The float32 values :func:`float_matmul`'s kernel multiplies by (its vector path, or its
+    scalar one): :func:`kvgate.kernels.quant_formats.dequantize`'s, bit for bit."""
+    out: torch.Tensor = torch.ops.kvgate_quant.dequantize(data, FORMAT_INDEX[fmt], cols, vector)
+    return out
 
 
 # ------------------------------------------------------------------ groups of eight rows
@@ -149,6 +184,8 @@ __all__ = [
     "ROWS8_FIELDS",
     "ROWS8_FORMATS",
     "QuantLoadResult",
+    "compiled_dequantize",
+    "float_matmul",
     "load",
     "loaded",
     "quantized_matmul",
