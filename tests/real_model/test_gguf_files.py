@@ -24,7 +24,7 @@ from kvgate.executor.reference import reference_generate
 from kvgate.executor.tiny_model import TinyModelSpec, make_tiny_model
 from kvgate.kernels.cpu import quant as cpu_quant
 from kvgate.protocol import step as wire
-from kvgate.protocol.enums import DType
+from kvgate.protocol.enums import DType, QuantActivations
 from tests.real_model.gguf_writer import CHAT_TEMPLATE, hf_tensors, stored, write_llama_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -115,13 +115,14 @@ def test_tied_embeddings_have_no_output_tensor(tied_dir: Path, tmp_path: Path) -
 def test_blocks_of_32_are_served_in_groups_of_eight_rows_on_cpu(
     tied_dir: Path, tmp_path: Path
 ) -> None:
-    """On CPU the projections and the (tied) output layer of a Q8_0 file take the kernel's
-    rows8 layout; the embedding looks its rows up through it, the weights hold the file's bytes
-    (what dequantizing and migration read), and the answers are the stored layout's."""
+    """On CPU with int8 activations the projections and the (tied) output layer of a Q8_0 file
+    take the kernel's rows8 layout; the embedding looks its rows up through it, the weights hold
+    the file's bytes (what dequantizing and migration read), and the answers are the stored
+    layout's."""
     if not cpu_quant.rows8_compiled(prepare_quant_kernel()):
         pytest.skip("the CPU kernel has no rows8 layout here (it needs AVX2 and F16C)")
     path = write_llama_gguf(tmp_path / "tied.gguf", tied_dir, kind=gguf.GGMLQuantizationType.Q8_0)
-    loaded = load_model(path)
+    loaded = load_model(path, activations=QuantActivations.INT8)
     weights = loaded.model.weights
     assert isinstance(weights.embed, QuantizedWeight) and weights.lm_head is weights.embed
     for weight in (weights.embed, weights.layers[0].qkv_proj, weights.layers[1].o_proj):
