@@ -1,9 +1,10 @@
-"""The float-activation quantized product (``matmul_float`` in ``kvgate/kernels/cpu/quant.cpp``).
+"""The float-activation quantized product (``quant.float_matmul``: ``matmul_float`` in quant.cpp
+below 16 rows, chunks dequantized into oneDNN from 16 rows on).
 
 - the kernel's own dequantization (its vector path and its scalar one) gives
   ``quant_formats.dequantize``'s float32 values bit for bit, every format;
 - its products stay within ``FLOAT_REL_BOUND`` of the float64 product of x with the dequantized
-  matrix, at every row count (the decode path below 16 rows, torch's GEMM from 16 on, the
+  matrix, at every row count (the decode path below 16 rows, oneDNN's GEMM from 16 on, the
   row-by-row mode at any count), with a row count of W that is not a multiple of four, on one
   thread and two: float32 summation error, about a thousandth of the int8 path's;
 - below 16 rows, and at any count row by row, a row's output does not depend on its batch.
@@ -117,6 +118,17 @@ def test_the_torch_fallback_is_the_dequantized_product() -> None:
 def test_the_kernel_refuses_rows_of_the_wrong_size(compiled: cpu_quant.QuantLoadResult) -> None:
     data = random_blocks(QuantFormat.Q4_1, 4, 64, seed=20)
     with pytest.raises(RuntimeError, match="data rows must be 40 bytes"):
-        torch.ops.kvgate_quant.matmul_float(
-            torch.zeros(1, 64), data[:, :30].contiguous(), 2, 64, False
-        )
+        torch.ops.kvgate_quant.matmul_float(torch.zeros(1, 64), data[:, :30].contiguous(), 2, 64)
+
+
+def test_a_matrix_of_several_chunks_is_multiplied_whole(
+    compiled: cpu_quant.QuantLoadResult,
+) -> None:
+    cols = 768
+    rows = 2 * cpu_quant.FLOAT_CHUNK_VALUES // cols + 5  # two whole chunks and five rows over
+    data = random_blocks(QuantFormat.Q4_0, rows, cols, seed=21)
+    x = torch.randn(cpu_quant.FLOAT_GEMM_ROWS, cols, generator=torch.Generator().manual_seed(22))
+    exact = x.double() @ dequantize(QuantFormat.Q4_0, data, cols).double().T
+    ours = cpu_quant.float_matmul(x, QuantFormat.Q4_0, data, cols, compiled=True)
+    assert ours.shape == (cpu_quant.FLOAT_GEMM_ROWS, rows)
+    assert float((ours.double() - exact).norm() / exact.norm()) < FLOAT_REL_BOUND

@@ -34,7 +34,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -1276,20 +1275,16 @@ at::Tensor matmul_rows8(const at::Tensor& x, const at::Tensor& data, int64_t for
 
 // ================================================ float activations: W dequantized in the dot
 //
-// matmul_float: y = x @ W.T with x as it is (float32). Each row of W is dequantized into a
-// thread's buffer to the float32 values quant_formats.dequantize gives (bit for bit: the same
-// products of fp16 scales and small integers, each rounded on its own), then dotted with every
-// row of x in float32: the dequantized matrix's product within float32 summation error (the
-// order is this kernel's own), the weights never held as floats.
-// Few rows of x (decode), or any number ``row_by_row`` (the batch-invariant mode): threads split
-// W's rows; each block's integers are converted to float once and multiplied by the rows of x
-// four at a time (one W row) or by one row (four W rows), the per-group sums scaled after (below:
-// the same operations for a row whatever its tile, so a row's output never depends on its
-// batch). Many rows (prefill): W dequantized a chunk of rows at a time and each chunk
-// multiplied by torch's own GEMM (at::mm, its threads).
-
-constexpr int64_t kFloatMmRows = 16;      // rows of x from which chunks go through at::mm
-constexpr int64_t kFloatChunkValues = 1 << 20;  // a chunk's float values (4 MB)
+// y = x @ W.T with x as it is (float32): the dequantized matrix's product within float32
+// summation error (the order is this kernel's own), the weights never held whole as floats.
+// dequantize gives the float32 values of quant_formats.dequantize bit for bit (the same
+// products of fp16 scales and small integers, each rounded on its own).
+// matmul_float is the product for few rows of x (decode) or, at any count, the batch-invariant
+// mode's: threads split W's rows; each block's integers are converted to float once and
+// multiplied by the rows of x four at a time (one W row) or by one row (four W rows), the
+// per-group sums scaled after (the same operations for a row whatever its tile, so a row's
+// output never depends on its batch). For many rows, kvgate/kernels/cpu/quant.py dequantizes W
+// a chunk of rows at a time (dequantize below) and multiplies by oneDNN's GEMM.
 
 // One block's values, scalar: the reference for the vector path below (and the path without
 // AVX2). s: the row's decoded scales (decode_row), b: the block's index.
@@ -1434,24 +1429,6 @@ inline float hsum_ps(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// R rows of dequantized W (w, [R][k]) against T rows of x: out[t * os + r].
-template <int R, int T>
-inline void float_tile(const float* w, int64_t k, const float* x, int64_t xs, float* out,
-                       int64_t os) {
-  __m256 acc[T][R];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; i += 8) {
-    __m256 xv[T];
-    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * xs + i);
-    for (int r = 0; r < R; ++r) {
-      const __m256 wv = _mm256_loadu_ps(w + r * k + i);
-      for (int t = 0; t < T; ++t) acc[t][r] = _mm256_fmadd_ps(wv, xv[t], acc[t][r]);
-    }
-  }
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) out[t * os + r] = hsum_ps(acc[t][r]);
-}
 
 // The decode path multiplies the blocks' integers, converted to float, by x and scales the sums:
 // a group of 32 values with scale d (two scales in Q6_K: values 0-15, 16-31) and offset o per
@@ -1627,7 +1604,7 @@ void float_rows(Format f, const uint8_t* w, int64_t row_bytes, const float* x, i
 }
 
 at::Tensor matmul_float(const at::Tensor& x_in, const at::Tensor& data, int64_t format,
-                        int64_t cols, bool row_by_row) {
+                        int64_t cols) {
   const at::Tensor x = x_in.contiguous();
   const auto [f, bytes, row_bytes] = check_arguments(x, data, format, cols);
   (void)bytes;
@@ -1635,21 +1612,6 @@ at::Tensor matmul_float(const at::Tensor& x_in, const at::Tensor& data, int64_t 
   at::Tensor out = at::empty({n, rows}, x.options());
   if (n == 0 || rows == 0) return out;
   const uint8_t* w = data.data_ptr<uint8_t>();
-  if (n >= kFloatMmRows && !row_by_row) {
-    const int64_t chunk = std::max<int64_t>(64, kFloatChunkValues / k);
-    at::Tensor buffer = at::empty({std::min(chunk, rows), k}, x.options());
-    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-      const int64_t count = std::min(chunk, rows - c0);
-      float* b = buffer.data_ptr<float>();
-      at::parallel_for(0, count, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
-        RowScales s;
-        for (int64_t r = begin; r < end; ++r)
-          dequantize_row(f, w + (c0 + r) * row_bytes, k, kFloatVector, s, b + r * k);
-      });
-      out.narrow(1, c0, count).copy_(at::mm(x, buffer.narrow(0, 0, count).t()));
-    }
-    return out;
-  }
   const float* xp = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   // About 64k multiply-adds per task, as matmul's.
@@ -1700,8 +1662,7 @@ bool has_rows8() { return kHasRows8; }
 TORCH_LIBRARY(kvgate_quant, m) {
   m.def("matmul(Tensor x, Tensor data, int format, int cols) -> Tensor", &matmul);
   m.def("matmul_rows8(Tensor x, Tensor data, int format, int cols) -> Tensor", &matmul_rows8);
-  m.def("matmul_float(Tensor x, Tensor data, int format, int cols, bool row_by_row) -> Tensor",
-        &matmul_float);
+  m.def("matmul_float(Tensor x, Tensor data, int format, int cols) -> Tensor", &matmul_float);
   m.def("dequantize(Tensor data, int format, int cols, bool vector) -> Tensor", &dequantize);
   m.def("isa() -> str", &isa);
   m.def("has_rows8() -> bool", &has_rows8);

@@ -69,6 +69,15 @@ def quantized_matmul(
     return quantized_matmul_reference(x, fmt, data, cols)
 
 
+# From this many rows of x the float-activation product dequantizes W a chunk at a time into
+# oneDNN's GEMM (measured, 1 thread, SmolLM2's shapes: the decode kernel's time grows with every
+# row, about 2x oneDNN's per row at 8-16 rows; a chunk's dequantization costs a tenth of its GEMM
+# at 32 rows).
+FLOAT_GEMM_ROWS = 16
+# A chunk's float values (1 MB; of 64 KB to 16 MB chunks the fastest at 16-128 rows).
+FLOAT_CHUNK_VALUES = 1 << 18
+
+
 def float_matmul(
     x: torch.Tensor,
     fmt: QuantFormat,
@@ -78,20 +87,37 @@ def float_matmul(
     *,
     row_by_row: bool = False,
 ) -> torch.Tensor:
-    """float32 ``x [n, cols]`` @ ``W.T`` with ``x`` as it is: W's blocks dequantized in the dot
-    (the compiled kernel when ``compiled``), or the whole matrix dequantized and multiplied
-    (torch). Either is the dequantized matrix's product within float32 summation error.
-    ``row_by_row``: every row computed alone, whatever the batch (the compiled kernel's decode
-    path at any row count; torch's product a row at a time)."""
-    if compiled:
-        out: torch.Tensor = torch.ops.kvgate_quant.matmul_float(
-            x.contiguous(), data, FORMAT_INDEX[fmt], cols, row_by_row
-        )
+    """float32 ``x [n, cols]`` @ ``W.T`` with ``x`` as it is: the dequantized matrix's product
+    within float32 summation error. Compiled: below :data:`FLOAT_GEMM_ROWS` rows (and at any
+    count ``row_by_row``, every row computed alone whatever its batch) the kernel's decode
+    product, W's blocks converted in the dot; otherwise W dequantized a chunk of rows at a time
+    (the kernel's ``dequantize``) and multiplied by oneDNN's GEMM. Not compiled: the whole
+    matrix dequantized by torch (a row at a time ``row_by_row``)."""
+    if not compiled:
+        weight = dequantize(fmt, data, cols)
+        if row_by_row:
+            rows = [x[i : i + 1] @ weight.T for i in range(x.shape[0])]
+            return torch.cat(rows) if rows else x @ weight.T
+        return x @ weight.T
+    x = x.contiguous()
+    index = FORMAT_INDEX[fmt]
+    if row_by_row or x.shape[0] < FLOAT_GEMM_ROWS:
+        out: torch.Tensor = torch.ops.kvgate_quant.matmul_float(x, data, index, cols)
         return out
-    weight = dequantize(fmt, data, cols)
-    if row_by_row:
-        rows = [x[i : i + 1] @ weight.T for i in range(x.shape[0])]
-        return torch.cat(rows) if rows else x @ weight.T
+    step = max(8, FLOAT_CHUNK_VALUES // cols)
+    parts = []
+    for start in range(0, data.shape[0], step):
+        weight = torch.ops.kvgate_quant.dequantize(data[start : start + step], index, cols, True)
+        parts.append(_dense_product(x, weight))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _dense_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T``: oneDNN's GEMM on the plain weight where torch has it (about 2x MKL's
+    ``mm`` at these shapes on one thread), torch's ``mm`` otherwise."""
+    if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        return out
     return x @ weight.T
 
 
