@@ -78,10 +78,14 @@ Layout layout_of(Format f) {
 
 bool is_k_quant(Format f) { return f == Format::Q4_K || f == Format::Q5_K || f == Format::Q6_K; }
 
-inline float half_at(const uint8_t* p) {
+inline float half_at(const uint8_t* p) {  // exact either way: every fp16 is a float32
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__) && defined(__AVX2__)
+  return _cvtsh_ss(bits);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
 // ---------------------------------------------------------------------------- activations
@@ -1362,66 +1366,6 @@ inline void bytes_to_floats(__m256i v, __m256* out) {
   }
 }
 
-// out[0..32) = scale * q + offset (kAdd) or scale * q - offset, each step rounded on its own.
-template <bool kSigned, int kOffset>  // kOffset: 0 none, 1 add, -1 subtract
-inline void store_block32(__m256i q, __m256 scale, __m256 offset, float* out) {
-  __m256 v[4];
-  bytes_to_floats<kSigned>(q, v);
-  for (int i = 0; i < 4; ++i) {
-    __m256 value = _mm256_mul_ps(scale, v[i]);
-    if constexpr (kOffset > 0) value = _mm256_add_ps(value, offset);
-    if constexpr (kOffset < 0) value = _mm256_sub_ps(value, offset);
-    _mm256_storeu_ps(out + 8 * i, value);
-  }
-}
-
-void dequantize_block(Format f, const uint8_t* blk, const RowScales& s, int64_t b, float* out) {
-  const __m256 d = _mm256_set1_ps(s.d[b]);
-  const __m256 none = _mm256_setzero_ps();
-  switch (f) {
-    case Format::Q8_0:
-      return store_block32<true, 0>(load32(blk + 2), d, none, out);
-    case Format::Q4_0:  // d (q - 8): q - 8 in integers, as signed bytes
-      return store_block32<true, 0>(_mm256_sub_epi8(unpack_q4(blk + 2), _mm256_set1_epi8(8)), d,
-                                    none, out);
-    case Format::Q4_1:
-      return store_block32<false, 1>(unpack_q4(blk + 4), d, _mm256_set1_ps(s.m[b]), out);
-    case Format::Q4_K:
-    case Format::Q5_K:
-      for (int c = 0; c < 4; ++c) {
-        __m256i low, high;
-        k45_chunk(f, blk, c, low, high);
-        for (int half = 0; half < 2; ++half) {
-          const int j = 2 * c + half;
-          const __m256 scale = _mm256_set1_ps(s.d[b] * static_cast<float>(s.sc[b * 16 + j]));
-          const __m256 offset = _mm256_set1_ps(s.m[b] * static_cast<float>(s.mins[b * 8 + j]));
-          store_block32<false, -1>(half == 0 ? low : high, scale, offset, out + 64 * c + 32 * half);
-        }
-      }
-      return;
-    case Format::Q6_K:
-      for (int h = 0; h < 2; ++h) {
-        __m256i groups[4];
-        q6k_groups(blk, h, groups);
-        for (int g = 0; g < 4; ++g) {
-          // Two sub-blocks of 16 values, two scales: values 0-15 are vectors 0 and 1.
-          const __m256i centred = _mm256_sub_epi8(groups[g], _mm256_set1_epi8(32));
-          __m256 v[4];
-          bytes_to_floats<true>(centred, v);
-          const int j = 8 * h + 2 * g;
-          const __m256 first = _mm256_set1_ps(s.d[b] * static_cast<float>(s.sc[b * 16 + j]));
-          const __m256 second = _mm256_set1_ps(s.d[b] * static_cast<float>(s.sc[b * 16 + j + 1]));
-          float* o = out + 128 * h + 32 * g;
-          _mm256_storeu_ps(o, _mm256_mul_ps(first, v[0]));
-          _mm256_storeu_ps(o + 8, _mm256_mul_ps(first, v[1]));
-          _mm256_storeu_ps(o + 16, _mm256_mul_ps(second, v[2]));
-          _mm256_storeu_ps(o + 24, _mm256_mul_ps(second, v[3]));
-        }
-      }
-      return;
-  }
-}
-
 inline float hsum_ps(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -1432,21 +1376,18 @@ inline float hsum_ps(__m256 v) {
 
 // The decode path multiplies the blocks' integers, converted to float, by x and scales the sums:
 // a group of 32 values with scale d (two scales in Q6_K: values 0-15, 16-31) and offset o per
-// value adds d (q . x) + o sum(x). Block b's groups of 32: fn(v, first, lo, hi, offset), v the
-// group's integers as four vectors of eight floats, first its first value in the block.
+// value adds d (q . x) + o sum(x). Block b's groups of 32: fn(q, first, lo, hi, offset), q the
+// group's integers as 32 signed bytes (every format's fit: -32..63), first its first value in
+// the block.
 template <Format f, typename Fn>
 inline void block_groups(const uint8_t* blk, const RowScales& s, int64_t b, Fn&& fn) {
-  __m256 v[4];
   const float d = s.d[b];
   if constexpr (f == Format::Q8_0) {
-    bytes_to_floats<true>(load32(blk + 2), v);
-    fn(v, 0, d, d, 0.0f);
+    fn(load32(blk + 2), 0, d, d, 0.0f);
   } else if constexpr (f == Format::Q4_0) {
-    bytes_to_floats<true>(_mm256_sub_epi8(unpack_q4(blk + 2), _mm256_set1_epi8(8)), v);
-    fn(v, 0, d, d, 0.0f);
+    fn(_mm256_sub_epi8(unpack_q4(blk + 2), _mm256_set1_epi8(8)), 0, d, d, 0.0f);
   } else if constexpr (f == Format::Q4_1) {
-    bytes_to_floats<false>(unpack_q4(blk + 4), v);
-    fn(v, 0, d, d, s.m[b]);
+    fn(unpack_q4(blk + 4), 0, d, d, s.m[b]);
   } else if constexpr (f == Format::Q4_K || f == Format::Q5_K) {
     for (int c = 0; c < 4; ++c) {
       __m256i halves[2];
@@ -1454,8 +1395,8 @@ inline void block_groups(const uint8_t* blk, const RowScales& s, int64_t b, Fn&&
       for (int half = 0; half < 2; ++half) {
         const int j = 2 * c + half;
         const float scale = d * static_cast<float>(s.sc[b * 16 + j]);
-        bytes_to_floats<false>(halves[half], v);
-        fn(v, 64 * c + 32 * half, scale, scale, -(s.m[b] * static_cast<float>(s.mins[b * 8 + j])));
+        fn(halves[half], 64 * c + 32 * half, scale, scale,
+           -(s.m[b] * static_cast<float>(s.mins[b * 8 + j])));
       }
     }
   } else {
@@ -1464,13 +1405,53 @@ inline void block_groups(const uint8_t* blk, const RowScales& s, int64_t b, Fn&&
       q6k_groups(blk, h, groups);
       for (int g = 0; g < 4; ++g) {
         const int j = 8 * h + 2 * g;
-        bytes_to_floats<true>(_mm256_sub_epi8(groups[g], _mm256_set1_epi8(32)), v);
-        fn(v, 128 * h + 32 * g, d * static_cast<float>(s.sc[b * 16 + j]),
-           d * static_cast<float>(s.sc[b * 16 + j + 1]), 0.0f);
+        fn(_mm256_sub_epi8(groups[g], _mm256_set1_epi8(32)), 128 * h + 32 * g,
+           d * static_cast<float>(s.sc[b * 16 + j]), d * static_cast<float>(s.sc[b * 16 + j + 1]),
+           0.0f);
       }
     }
   }
 }
+
+#if defined(__AVX512F__)
+// Sixteen lanes: a group is two vectors of floats, each with its own scale, multiplied into the
+// integers once per row of W (shared by the T rows of x), then one fused multiply-add per
+// vector per row of x.
+using FloatVector = __m512;
+inline FloatVector vector_zero() { return _mm512_setzero_ps(); }
+inline float vector_sum(FloatVector v) { return _mm512_reduce_add_ps(v); }
+template <int T>
+inline void group_dot(__m256i q, float lo, float hi, const float* x, int64_t k, FloatVector* total) {
+  const __m512 v0 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), _mm512_set1_ps(lo));
+  const __m512 v1 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), _mm512_set1_ps(hi));
+  for (int t = 0; t < T; ++t) {
+    total[t] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + t * k), total[t]);
+    total[t] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + t * k + 16), total[t]);
+  }
+}
+#else
+// Eight lanes: the integers as four vectors, their products with x summed per 16 values and
+// scaled after.
+using FloatVector = __m256;
+inline FloatVector vector_zero() { return _mm256_setzero_ps(); }
+inline float vector_sum(FloatVector v) { return hsum_ps(v); }
+template <int T>
+inline void group_dot(__m256i q, float lo, float hi, const float* x, int64_t k, FloatVector* total) {
+  __m256 v[4];
+  bytes_to_floats<true>(q, v);
+  const __m256 low = _mm256_set1_ps(lo), high = _mm256_set1_ps(hi);
+  for (int t = 0; t < T; ++t) {
+    const float* xp = x + t * k;
+    const __m256 a0 =
+        _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp)));
+    const __m256 a1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24),
+                                      _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16)));
+    total[t] = _mm256_fmadd_ps(high, a1, _mm256_fmadd_ps(low, a0, total[t]));
+  }
+}
+#endif
 
 // R rows of W (from ``w``, scales decoded in s[0..R)) against T rows of x: out[t * os + r].
 // xsum: x's sums per 32 values, [T][k / 32] (row stride k / 32).
@@ -1484,33 +1465,68 @@ void fused_tile(const uint8_t* w, int64_t row_bytes, const RowScales* s, const f
                          : f == Format::Q5_K ? Layout{256, 176}
                                              : Layout{256, 210};
   const int64_t nb = k / lay.values, groups = k / 32;
-  __m256 total[R][T];
+  FloatVector total[R][T];
   float offsets[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {
-      total[r][t] = _mm256_setzero_ps();
+      total[r][t] = vector_zero();
       offsets[r][t] = 0.0f;
     }
   for (int64_t b = 0; b < nb; ++b) {
     for (int r = 0; r < R; ++r) {
       block_groups<f>(w + r * row_bytes + b * lay.bytes, s[r], b,
-                      [&](const __m256* v, int64_t first, float lo, float hi, float offset) {
+                      [&](__m256i q, int64_t first, float lo, float hi, float offset) {
         const int64_t at = b * lay.values + first;
-        const __m256 low = _mm256_set1_ps(lo), high = _mm256_set1_ps(hi);
-        for (int t = 0; t < T; ++t) {
-          const float* xp = x + t * k + at;
-          const __m256 a0 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8),
-                                            _mm256_mul_ps(v[0], _mm256_loadu_ps(xp)));
-          const __m256 a1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24),
-                                            _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16)));
-          total[r][t] = _mm256_fmadd_ps(high, a1, _mm256_fmadd_ps(low, a0, total[r][t]));
-          if (offset != 0.0f) offsets[r][t] += offset * xsum[t * groups + at / 32];
-        }
+        group_dot<T>(q, lo, hi, x + at, k, total[r]);
+        if (offset != 0.0f)
+          for (int t = 0; t < T; ++t) offsets[r][t] += offset * xsum[t * groups + at / 32];
       });
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[t * os + r] = hsum_ps(total[r][t]) + offsets[r][t];
+    for (int t = 0; t < T; ++t) out[t * os + r] = vector_sum(total[r][t]) + offsets[r][t];
+}
+
+// A group's 32 values dequantized into out[0..32): scale q (+ offset where the format has one),
+// each step rounded on its own, as quant_formats.dequantize computes them.
+template <bool kOffset>
+inline void group_store(__m256i q, float lo, float hi, float offset, float* out) {
+#if defined(__AVX512F__)
+  const __m512 halves[2] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))};
+  for (int h = 0; h < 2; ++h) {
+    __m512 value = _mm512_mul_ps(halves[h], _mm512_set1_ps(h == 0 ? lo : hi));
+    if constexpr (kOffset) value = _mm512_add_ps(value, _mm512_set1_ps(offset));
+    _mm512_storeu_ps(out + 16 * h, value);
+  }
+#else
+  __m256 v[4];
+  bytes_to_floats<true>(q, v);
+  for (int i = 0; i < 4; ++i) {
+    __m256 value = _mm256_mul_ps(v[i], _mm256_set1_ps(i < 2 ? lo : hi));
+    if constexpr (kOffset) value = _mm256_add_ps(value, _mm256_set1_ps(offset));
+    _mm256_storeu_ps(out + 8 * i, value);
+  }
+#endif
+}
+
+template <Format f>
+void dequantize_groups(const uint8_t* blk, const RowScales& s, int64_t b, float* out) {
+  constexpr bool kOffset = f == Format::Q4_1 || f == Format::Q4_K || f == Format::Q5_K;
+  block_groups<f>(blk, s, b, [&](__m256i q, int64_t first, float lo, float hi, float offset) {
+    group_store<kOffset>(q, lo, hi, offset, out + first);
+  });
+}
+
+void dequantize_block(Format f, const uint8_t* blk, const RowScales& s, int64_t b, float* out) {
+  switch (f) {
+    case Format::Q8_0: return dequantize_groups<Format::Q8_0>(blk, s, b, out);
+    case Format::Q4_0: return dequantize_groups<Format::Q4_0>(blk, s, b, out);
+    case Format::Q4_1: return dequantize_groups<Format::Q4_1>(blk, s, b, out);
+    case Format::Q4_K: return dequantize_groups<Format::Q4_K>(blk, s, b, out);
+    case Format::Q5_K: return dequantize_groups<Format::Q5_K>(blk, s, b, out);
+    case Format::Q6_K: return dequantize_groups<Format::Q6_K>(blk, s, b, out);
+  }
 }
 
 // Rows [r0, r0 + R) of W against all n rows of x, scales decoded once per row.
