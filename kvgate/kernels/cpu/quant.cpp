@@ -1284,11 +1284,12 @@ at::Tensor matmul_rows8(const at::Tensor& x, const at::Tensor& data, int64_t for
 // dequantize gives the float32 values of quant_formats.dequantize bit for bit (the same
 // products of fp16 scales and small integers, each rounded on its own).
 // matmul_float is the product for few rows of x (decode) or, at any count, the batch-invariant
-// mode's: threads split W's rows; each block's integers are converted to float once and
-// multiplied by the rows of x four at a time (one W row) or by one row (four W rows), the
-// per-group sums scaled after (the same operations for a row whatever its tile, so a row's
-// output never depends on its batch). For many rows, kvgate/kernels/cpu/quant.py dequantizes W
-// a chunk of rows at a time (dequantize below) and multiplies by oneDNN's GEMM.
+// mode's: threads split W's rows; each group of 32 values is dequantized in registers (16 or 8
+// float lanes) once per row of W and multiplied into the rows of x four at a time (one W row)
+// or into one row (four W rows) by fused multiply-adds (the same operations for a row whatever
+// its tile, so a row's output never depends on its batch). For many rows,
+// kvgate/kernels/cpu/quant.py dequantizes W a chunk of rows at a time (dequantize below, the
+// same registers stored) and multiplies by oneDNN's GEMM.
 
 // One block's values, scalar: the reference for the vector path below (and the path without
 // AVX2). s: the row's decoded scales (decode_row), b: the block's index.
@@ -1374,11 +1375,10 @@ inline float hsum_ps(__m256 v) {
 }
 
 
-// The decode path multiplies the blocks' integers, converted to float, by x and scales the sums:
-// a group of 32 values with scale d (two scales in Q6_K: values 0-15, 16-31) and offset o per
-// value adds d (q . x) + o sum(x). Block b's groups of 32: fn(q, first, lo, hi, offset), q the
-// group's integers as 32 signed bytes (every format's fit: -32..63), first its first value in
-// the block.
+// Every format as groups of 32 values, each value scale q + offset (the scale of values 0-15
+// and of 16-31 differ in Q6_K only; the offset is zero but in Q4_1, Q4_K and Q5_K). Block b's
+// groups: fn(q, first, lo, hi, offset), q the group's integers as 32 signed bytes (every
+// format's fit: -32..63), first its first value in the block.
 template <Format f, typename Fn>
 inline void block_groups(const uint8_t* blk, const RowScales& s, int64_t b, Fn&& fn) {
   const float d = s.d[b];
@@ -1413,108 +1413,93 @@ inline void block_groups(const uint8_t* blk, const RowScales& s, int64_t b, Fn&&
   }
 }
 
+// A group's 32 values as quant_formats.dequantize computes them: scale q (+ offset where the
+// format has one), each step rounded on its own; as kGroupVectors vectors of floats.
 #if defined(__AVX512F__)
-// Sixteen lanes: a group is two vectors of floats, each with its own scale, multiplied into the
-// integers once per row of W (shared by the T rows of x), then one fused multiply-add per
-// vector per row of x.
+constexpr int kLanes = 16;
 using FloatVector = __m512;
 inline FloatVector vector_zero() { return _mm512_setzero_ps(); }
 inline float vector_sum(FloatVector v) { return _mm512_reduce_add_ps(v); }
-template <int T>
-inline void group_dot(__m256i q, float lo, float hi, const float* x, int64_t k, FloatVector* total) {
-  const __m512 v0 = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), _mm512_set1_ps(lo));
-  const __m512 v1 = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), _mm512_set1_ps(hi));
-  for (int t = 0; t < T; ++t) {
-    total[t] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + t * k), total[t]);
-    total[t] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + t * k + 16), total[t]);
+inline FloatVector vector_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void vector_store(float* p, FloatVector v) { _mm512_storeu_ps(p, v); }
+inline FloatVector vector_fma(FloatVector a, FloatVector b, FloatVector c) {
+  return _mm512_fmadd_ps(a, b, c);
+}
+template <bool kOffset>
+inline void group_values(__m256i q, float lo, float hi, float offset, FloatVector* v) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int h = 0; h < 2; ++h) {
+    v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(halves[h])),
+                         _mm512_set1_ps(h == 0 ? lo : hi));
+    if constexpr (kOffset) v[h] = _mm512_add_ps(v[h], _mm512_set1_ps(offset));
   }
 }
 #else
-// Eight lanes: the integers as four vectors, their products with x summed per 16 values and
-// scaled after.
+constexpr int kLanes = 8;
 using FloatVector = __m256;
 inline FloatVector vector_zero() { return _mm256_setzero_ps(); }
 inline float vector_sum(FloatVector v) { return hsum_ps(v); }
-template <int T>
-inline void group_dot(__m256i q, float lo, float hi, const float* x, int64_t k, FloatVector* total) {
-  __m256 v[4];
+inline FloatVector vector_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void vector_store(float* p, FloatVector v) { _mm256_storeu_ps(p, v); }
+inline FloatVector vector_fma(FloatVector a, FloatVector b, FloatVector c) {
+  return _mm256_fmadd_ps(a, b, c);
+}
+template <bool kOffset>
+inline void group_values(__m256i q, float lo, float hi, float offset, FloatVector* v) {
   bytes_to_floats<true>(q, v);
-  const __m256 low = _mm256_set1_ps(lo), high = _mm256_set1_ps(hi);
-  for (int t = 0; t < T; ++t) {
-    const float* xp = x + t * k;
-    const __m256 a0 =
-        _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp)));
-    const __m256 a1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24),
-                                      _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16)));
-    total[t] = _mm256_fmadd_ps(high, a1, _mm256_fmadd_ps(low, a0, total[t]));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_mul_ps(v[i], _mm256_set1_ps(i < 2 ? lo : hi));
+    if constexpr (kOffset) v[i] = _mm256_add_ps(v[i], _mm256_set1_ps(offset));
   }
 }
 #endif
+constexpr int kGroupVectors = 32 / kLanes;
+
+template <Format f>
+constexpr bool has_offset() {
+  return f == Format::Q4_1 || f == Format::Q4_K || f == Format::Q5_K;
+}
 
 // R rows of W (from ``w``, scales decoded in s[0..R)) against T rows of x: out[t * os + r].
-// xsum: x's sums per 32 values, [T][k / 32] (row stride k / 32).
+// Each group is dequantized once per row of W and multiplied into the T rows of x by fused
+// multiply-adds, one accumulator per pair of rows: the same operations for a row of x whatever
+// T is, so its output never depends on its batch.
 template <Format f, int R, int T>
 void fused_tile(const uint8_t* w, int64_t row_bytes, const RowScales* s, const float* x,
-                int64_t k, const float* xsum, float* out, int64_t os) {
+                int64_t k, float* out, int64_t os) {
   constexpr Layout lay = f == Format::Q8_0   ? Layout{32, 34}
                          : f == Format::Q4_0 ? Layout{32, 18}
                          : f == Format::Q4_1 ? Layout{32, 20}
                          : f == Format::Q4_K ? Layout{256, 144}
                          : f == Format::Q5_K ? Layout{256, 176}
                                              : Layout{256, 210};
-  const int64_t nb = k / lay.values, groups = k / 32;
+  const int64_t nb = k / lay.values;
   FloatVector total[R][T];
-  float offsets[R][T];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) {
-      total[r][t] = vector_zero();
-      offsets[r][t] = 0.0f;
-    }
+    for (int t = 0; t < T; ++t) total[r][t] = vector_zero();
   for (int64_t b = 0; b < nb; ++b) {
     for (int r = 0; r < R; ++r) {
       block_groups<f>(w + r * row_bytes + b * lay.bytes, s[r], b,
                       [&](__m256i q, int64_t first, float lo, float hi, float offset) {
-        const int64_t at = b * lay.values + first;
-        group_dot<T>(q, lo, hi, x + at, k, total[r]);
-        if (offset != 0.0f)
-          for (int t = 0; t < T; ++t) offsets[r][t] += offset * xsum[t * groups + at / 32];
+        FloatVector v[kGroupVectors];
+        group_values<has_offset<f>()>(q, lo, hi, offset, v);
+        const float* xp = x + b * lay.values + first;
+        for (int t = 0; t < T; ++t)
+          for (int i = 0; i < kGroupVectors; ++i)
+            total[r][t] = vector_fma(v[i], vector_load(xp + t * k + i * kLanes), total[r][t]);
       });
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[t * os + r] = vector_sum(total[r][t]) + offsets[r][t];
-}
-
-// A group's 32 values dequantized into out[0..32): scale q (+ offset where the format has one),
-// each step rounded on its own, as quant_formats.dequantize computes them.
-template <bool kOffset>
-inline void group_store(__m256i q, float lo, float hi, float offset, float* out) {
-#if defined(__AVX512F__)
-  const __m512 halves[2] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))};
-  for (int h = 0; h < 2; ++h) {
-    __m512 value = _mm512_mul_ps(halves[h], _mm512_set1_ps(h == 0 ? lo : hi));
-    if constexpr (kOffset) value = _mm512_add_ps(value, _mm512_set1_ps(offset));
-    _mm512_storeu_ps(out + 16 * h, value);
-  }
-#else
-  __m256 v[4];
-  bytes_to_floats<true>(q, v);
-  for (int i = 0; i < 4; ++i) {
-    __m256 value = _mm256_mul_ps(v[i], _mm256_set1_ps(i < 2 ? lo : hi));
-    if constexpr (kOffset) value = _mm256_add_ps(value, _mm256_set1_ps(offset));
-    _mm256_storeu_ps(out + 8 * i, value);
-  }
-#endif
+    for (int t = 0; t < T; ++t) out[t * os + r] = vector_sum(total[r][t]);
 }
 
 template <Format f>
 void dequantize_groups(const uint8_t* blk, const RowScales& s, int64_t b, float* out) {
-  constexpr bool kOffset = f == Format::Q4_1 || f == Format::Q4_K || f == Format::Q5_K;
   block_groups<f>(blk, s, b, [&](__m256i q, int64_t first, float lo, float hi, float offset) {
-    group_store<kOffset>(q, lo, hi, offset, out + first);
+    FloatVector v[kGroupVectors];
+    group_values<has_offset<f>()>(q, lo, hi, offset, v);
+    for (int i = 0; i < kGroupVectors; ++i) vector_store(out + first + i * kLanes, v[i]);
   });
 }
 
@@ -1531,45 +1516,42 @@ void dequantize_block(Format f, const uint8_t* blk, const RowScales& s, int64_t 
 
 // Rows [r0, r0 + R) of W against all n rows of x, scales decoded once per row.
 template <Format f, int R>
-void fused_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
-                int64_t n, int64_t k, float* out, int64_t rows, int64_t r0, RowScales* s) {
+void fused_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t n, int64_t k,
+                float* out, int64_t rows, int64_t r0, RowScales* s) {
   constexpr int64_t values = f == Format::Q8_0 || f == Format::Q4_0 || f == Format::Q4_1 ? 32 : 256;
   const Layout lay = layout_of(f);
   for (int r = 0; r < R; ++r) decode_row(f, w + (r0 + r) * row_bytes, k / values, lay.bytes, s[r]);
   const uint8_t* wr = w + r0 * row_bytes;
-  const int64_t groups = k / 32;
   int64_t m = 0;
   if constexpr (R == 4) {  // a lone row of x: four rows of W, four independent sums
     for (; m < n; ++m)
-      fused_tile<f, 4, 1>(wr, row_bytes, s, x + m * k, k, xsum + m * groups, out + m * rows + r0, rows);
+      fused_tile<f, 4, 1>(wr, row_bytes, s, x + m * k, k, out + m * rows + r0, rows);
   } else {
     for (; m + 4 <= n; m += 4)
-      fused_tile<f, R, 4>(wr, row_bytes, s, x + m * k, k, xsum + m * groups, out + m * rows + r0, rows);
+      fused_tile<f, R, 4>(wr, row_bytes, s, x + m * k, k, out + m * rows + r0, rows);
     for (; m < n; ++m)
-      fused_tile<f, R, 1>(wr, row_bytes, s, x + m * k, k, xsum + m * groups, out + m * rows + r0, rows);
+      fused_tile<f, R, 1>(wr, row_bytes, s, x + m * k, k, out + m * rows + r0, rows);
   }
 }
 
 template <Format f>
-void fused_product(const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
-                   int64_t n, int64_t k, float* out, int64_t rows, int64_t begin, int64_t end) {
+void fused_product(const uint8_t* w, int64_t row_bytes, const float* x, int64_t n, int64_t k, float* out, int64_t rows, int64_t begin, int64_t end) {
   RowScales s[4];
   int64_t r = begin;
   if (n == 1) {
-    for (; r + 4 <= end; r += 4) fused_rows<f, 4>(w, row_bytes, x, xsum, n, k, out, rows, r, s);
+    for (; r + 4 <= end; r += 4) fused_rows<f, 4>(w, row_bytes, x, n, k, out, rows, r, s);
   }
-  for (; r < end; ++r) fused_rows<f, 1>(w, row_bytes, x, xsum, n, k, out, rows, r, s);
+  for (; r < end; ++r) fused_rows<f, 1>(w, row_bytes, x, n, k, out, rows, r, s);
 }
 
-void fused_any(Format f, const uint8_t* w, int64_t row_bytes, const float* x, const float* xsum,
-               int64_t n, int64_t k, float* out, int64_t rows, int64_t begin, int64_t end) {
+void fused_any(Format f, const uint8_t* w, int64_t row_bytes, const float* x, int64_t n, int64_t k, float* out, int64_t rows, int64_t begin, int64_t end) {
   switch (f) {
-    case Format::Q8_0: return fused_product<Format::Q8_0>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
-    case Format::Q4_0: return fused_product<Format::Q4_0>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
-    case Format::Q4_1: return fused_product<Format::Q4_1>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
-    case Format::Q4_K: return fused_product<Format::Q4_K>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
-    case Format::Q5_K: return fused_product<Format::Q5_K>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
-    case Format::Q6_K: return fused_product<Format::Q6_K>(w, row_bytes, x, xsum, n, k, out, rows, begin, end);
+    case Format::Q8_0: return fused_product<Format::Q8_0>(w, row_bytes, x, n, k, out, rows, begin, end);
+    case Format::Q4_0: return fused_product<Format::Q4_0>(w, row_bytes, x, n, k, out, rows, begin, end);
+    case Format::Q4_1: return fused_product<Format::Q4_1>(w, row_bytes, x, n, k, out, rows, begin, end);
+    case Format::Q4_K: return fused_product<Format::Q4_K>(w, row_bytes, x, n, k, out, rows, begin, end);
+    case Format::Q5_K: return fused_product<Format::Q5_K>(w, row_bytes, x, n, k, out, rows, begin, end);
+    case Format::Q6_K: return fused_product<Format::Q6_K>(w, row_bytes, x, n, k, out, rows, begin, end);
   }
 }
 #else
@@ -1633,15 +1615,8 @@ at::Tensor matmul_float(const at::Tensor& x_in, const at::Tensor& data, int64_t 
   // About 64k multiply-adds per task, as matmul's.
   const int64_t grain = std::max<int64_t>(4, 65536 / (k * n));
 #if defined(__AVX2__) && defined(__FMA__)
-  std::vector<float> xsum(n * (k / 32));
-  for (int64_t m = 0; m < n; ++m)
-    for (int64_t g = 0; g < k / 32; ++g) {
-      float sum = 0.0f;
-      for (int i = 0; i < 32; ++i) sum += xp[m * k + g * 32 + i];
-      xsum[m * (k / 32) + g] = sum;
-    }
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    fused_any(f, w, row_bytes, xp, xsum.data(), n, k, o, rows, begin, end);
+    fused_any(f, w, row_bytes, xp, n, k, o, rows, begin, end);
   });
 #else
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
