@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvgate.kernels.cpu.quant import QuantLoadResult
 from kvgate.kernels.dispatch import triton_interpreting
 
 TRITON_MODULES = (
@@ -90,3 +91,14 @@ def torch_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """CPU tensors take the vectorized torch path for this test."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     yield
+
+
+@pytest.fixture(scope="module")
+def compiled_quant() -> QuantLoadResult:
+    """The compiled quantized products (``quant.cpp``); skipped with the reason without them."""
+    from kvgate.executor.quantized import prepare_quant_kernel
+
+    result = prepare_quant_kernel()
+    if not result.compiled:
+        pytest.skip(result.log_line())
+    return result

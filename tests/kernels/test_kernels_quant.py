@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvgate.executor.quantized import prepare_quant_kernel
 from kvgate.kernels.cpu import quant as cpu_quant
 from kvgate.kernels.quant_formats import LAYOUTS, QuantFormat, dequantize
 from kvgate.kernels.torch_quant import (
@@ -84,11 +83,8 @@ def test_activations_follow_the_rounding_rule() -> None:
 
 
 @pytest.fixture(scope="module")
-def compiled() -> cpu_quant.QuantLoadResult:
-    result = prepare_quant_kernel()
-    if not result.compiled:
-        pytest.skip(result.log_line())
-    return result
+def compiled(compiled_quant: cpu_quant.QuantLoadResult) -> cpu_quant.QuantLoadResult:
+    return compiled_quant
 
 
 @pytest.mark.parametrize("fmt", list(QuantFormat))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgate.executor.quantized import prepare_quant_kernel
 from kvgate.kernels.cpu import quant as cpu_quant
 from kvgate.kernels.quant_formats import QuantFormat, dequantize
 from kvgate.kernels.torch_quant import K_QUANTS, quantized_matmul_reference
@@ -27,11 +26,8 @@ FLOAT_REL_BOUND = 2e-6
 
 
 @pytest.fixture(scope="module")
-def compiled() -> cpu_quant.QuantLoadResult:
-    result = prepare_quant_kernel()
-    if not result.compiled:
-        pytest.skip(result.log_line())
-    return result
+def compiled(compiled_quant: cpu_quant.QuantLoadResult) -> cpu_quant.QuantLoadResult:
+    return compiled_quant
 
 
 def _widths(fmt: QuantFormat) -> tuple[int, ...]:
