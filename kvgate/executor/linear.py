@@ -18,7 +18,7 @@ the checkpoint weight, so on CPU the linear weights take twice their size in mem
 Quantized weights (:class:`~kvgate.executor.quantized.QuantizedWeight`, GGUF blocks kept as
 stored) run their own products whatever the backend (``quantized.QuantizedLinear``: the CPU
 kernels, Triton on CUDA). A row's result never depends on its batch with int8 activations;
-with float32 ones, from 16 rows on it goes through torch's GEMM unless the batch-invariant mode
+with float32 ones, from 16 rows on it goes through oneDNN's GEMM unless the batch-invariant mode
 asks for every row alone.
 
 Rows: oneDNN gives a row the same bits at every row count but one: a single row takes another

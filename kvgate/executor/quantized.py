@@ -21,7 +21,7 @@ Where the product runs:
   product; the default) or int8 per block, as llama.cpp does (the faster; its rows8 layout).
   The int8 product of a row never depends on the other rows of its batch, so the executor's
   batch-invariant mode holds with int8 activations; the float32 product of a few rows runs row
-  by row too, and from 16 rows on through torch's GEMM, as the float32 model does.
+  by row too, and from 16 rows on through oneDNN's GEMM (unless the mode asks for every row alone).
 - CUDA: Triton's dequantize-in-the-GEMM kernels (``kvgate/kernels/triton_quant.py``): float
   activations, the weights' tiles dequantized in registers. AWQ, GPTQ and FP8 segments run only
   there (or under the Triton interpreter); on CPU the loader dequantizes them when it reads them

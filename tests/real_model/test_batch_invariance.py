@@ -62,7 +62,7 @@ Watched = dict[str, list[tuple[int, float | None, list[tuple[int, float]]]]]
 @pytest.fixture(scope="module", params=["float32", "quantized"])
 def invariant_smollm2(request: pytest.FixtureRequest, smollm2_dir: Path) -> LoadedModel:
     """The model dequantized to float32, and as served by default: its GGUF blocks kept, float32
-    activations (from 16 rows on their products go through torch's GEMM unless the mode asks
+    activations (from 16 rows on their products go through oneDNN's GEMM unless the mode asks
     for every row alone)."""
     if not prepare_cpu_kernels().compiled:
         pytest.skip("kvgate's CPU kernels do not compile here (the mode needs them)")
