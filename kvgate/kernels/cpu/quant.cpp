@@ -1560,17 +1560,6 @@ constexpr bool kFloatVector = false;
 void dequantize_block(Format f, const uint8_t* blk, const RowScales& s, int64_t b, float* out) {
   dequantize_block_scalar(f, blk, s, b, out);
 }
-
-template <int R, int T>
-inline void float_tile(const float* w, int64_t k, const float* x, int64_t xs, float* out,
-                       int64_t os) {
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) {
-      float sum = 0.0f;
-      for (int64_t i = 0; i < k; ++i) sum += w[r * k + i] * x[t * xs + i];
-      out[t * os + r] = sum;
-    }
-}
 #endif
 
 // Row r of W (``row``, its blocks as stored) dequantized into out[0..k).
@@ -1587,18 +1576,6 @@ void dequantize_row(Format f, const uint8_t* row, int64_t k, bool vector, RowSca
       dequantize_block_scalar(f, blk, s, b, out + b * lay.values);
     }
   }
-}
-
-// Rows [begin, end) of W against all n rows of x (the decode path).
-template <int R>
-void float_rows(Format f, const uint8_t* w, int64_t row_bytes, const float* x, int64_t n,
-                int64_t k, float* out, int64_t rows, int64_t r0, std::vector<float>& buffer,
-                RowScales& s) {
-  for (int r = 0; r < R; ++r)
-    dequantize_row(f, w + (r0 + r) * row_bytes, k, kFloatVector, s, buffer.data() + r * k);
-  int64_t m = 0;
-  for (; m + 2 <= n; m += 2) float_tile<R, 2>(buffer.data(), k, x + m * k, k, out + m * rows + r0, rows);
-  if (m < n) float_tile<R, 1>(buffer.data(), k, x + m * k, k, out + m * rows + r0, rows);
 }
 
 at::Tensor matmul_float(const at::Tensor& x_in, const at::Tensor& data, int64_t format,
@@ -1620,9 +1597,16 @@ at::Tensor matmul_float(const at::Tensor& x_in, const at::Tensor& data, int64_t 
   });
 #else
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(k);
+    std::vector<float> values(k);  // a row of W, dequantized
     RowScales s;
-    for (int64_t r = begin; r < end; ++r) float_rows<1>(f, w, row_bytes, xp, n, k, o, rows, r, buffer, s);
+    for (int64_t r = begin; r < end; ++r) {
+      dequantize_row(f, w + r * row_bytes, k, false, s, values.data());
+      for (int64_t m = 0; m < n; ++m) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < k; ++i) sum += values[i] * xp[m * k + i];
+        o[m * rows + r] = sum;
+      }
+    }
   });
 #endif
   return out;
